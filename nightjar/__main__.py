@@ -1,0 +1,5 @@
+import sys
+
+from nightjar.cli import main
+
+sys.exit(main())

@@ -1,0 +1,102 @@
+"""Every Redis key, stream, group and channel name Nightjar uses, in one place.
+
+All names share the ``prefix`` (default ``nj``) so that several stacks can share one
+Redis and a test can wipe exactly its own keys with ``SCAN MATCH {prefix}:*``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "nj"
+
+    # --- request queue (gateway -> scheduler) ---------------------------------
+    @property
+    def requests(self) -> str:
+        """Stream of queued jobs (messages.Job); consumer group ``scheduler_group``."""
+        return f"{self.prefix}:requests"
+
+    @property
+    def scheduler_group(self) -> str:
+        return "scheduler"
+
+    @property
+    def dead_letters(self) -> str:
+        """Stream of jobs that failed too often or could not be decoded (messages.DeadLetter)."""
+        return f"{self.prefix}:dlq"
+
+    # --- dispatch (scheduler -> worker) ----------------------------------------
+    def inbox(self, worker_id: str) -> str:
+        """Stream of jobs assigned to one worker; consumer group ``worker_group``."""
+        return f"{self.prefix}:inbox:{worker_id}"
+
+    @property
+    def worker_group(self) -> str:
+        return "worker"
+
+    def assignment(self, request_id: str) -> str:
+        """Hash: which worker runs a request, the job itself, and when it was assigned."""
+        return f"{self.prefix}:assign:{request_id}"
+
+    def worker_assignments(self, worker_id: str) -> str:
+        """Set of request ids currently assigned to a worker (for re-dispatch on death)."""
+        return f"{self.prefix}:worker_jobs:{worker_id}"
+
+    # --- outputs (worker -> gateway) -------------------------------------------
+    def output(self, request_id: str) -> str:
+        """Stream of messages.OutputChunk for one request; expires after a TTL."""
+        return f"{self.prefix}:out:{request_id}"
+
+    def cancel(self, request_id: str) -> str:
+        """Key set (with TTL) when a request is cancelled; workers also get ``cancel_channel``."""
+        return f"{self.prefix}:cancel:{request_id}"
+
+    @property
+    def cancel_channel(self) -> str:
+        return f"{self.prefix}:cancels"
+
+    # --- workers ----------------------------------------------------------------
+    def heartbeat(self, worker_id: str) -> str:
+        """messages.Heartbeat with a TTL: a worker whose key expired is dead."""
+        return f"{self.prefix}:hb:{worker_id}"
+
+    @property
+    def heartbeat_pattern(self) -> str:
+        return f"{self.prefix}:hb:*"
+
+    @property
+    def workers(self) -> str:
+        """Set of every worker id ever registered (live or dead; liveness = heartbeat key)."""
+        return f"{self.prefix}:workers"
+
+    # --- statistics and policy (worker <-> planner) -----------------------------
+    @property
+    def stats(self) -> str:
+        """Capped stream of messages.StepStats; consumer group ``planner_group``."""
+        return f"{self.prefix}:stats"
+
+    @property
+    def planner_group(self) -> str:
+        return "planner"
+
+    @property
+    def policy(self) -> str:
+        """Latest messages.Policy (plain key, versioned inside)."""
+        return f"{self.prefix}:policy"
+
+    @property
+    def policy_channel(self) -> str:
+        """Pub/sub channel on which every new messages.Policy is published."""
+        return f"{self.prefix}:policy:updates"
+
+    @property
+    def planner_state(self) -> str:
+        """The planner's saved state, so a restarted planner resumes."""
+        return f"{self.prefix}:planner:state"
+
+    @property
+    def all_pattern(self) -> str:
+        return f"{self.prefix}:*"

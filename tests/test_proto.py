@@ -1,0 +1,14 @@
+import filecmp
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_committed_stubs_match_the_proto(tmp_path):
+    subprocess.run(["bash", str(ROOT / "scripts/gen_proto.sh"), str(tmp_path)], check=True,
+                   env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+    for name in ("inference_pb2.py", "inference_pb2.pyi", "inference_pb2_grpc.py"):
+        fresh, committed = tmp_path / "nightjar/v1" / name, ROOT / "nightjar/v1" / name
+        assert filecmp.cmp(fresh, committed, shallow=False), f"{name} is stale: run scripts/gen_proto.sh"
