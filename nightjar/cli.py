@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("worker.__main__:main", "run one worker alone"),
     "generate": ("nightjar_client.cli:main", "send a prompt to a running stack"),
     "queue": ("nightjar.queue_tool:main", "inspect the Redis queues, workers, policy"),
+    "health": ("nightjar_client.health:main", "check a service's gRPC health (exit 0 = SERVING)"),
     "bench": ("nightjar.bench:main", "replay load against a running stack"),
 }
 

@@ -163,7 +163,8 @@ class OutputChunk(Message):
 
     ``index`` is the position in the completion of ``token_ids[0]``: a re-run of the request
     on another worker emits the same indices, so the gateway drops what it already sent.
-    The last entry has ``finish_reason`` set ("stop", "length", "abort", "error", "deadline").
+    The last entry has ``finish_reason`` set ("stop", "length", "abort", "error", "deadline",
+    "rejected": the engine refused the request's parameters, ``error`` says why).
     """
 
     KIND: ClassVar[str] = "out"

@@ -1,0 +1,65 @@
+"""``nightjar gateway``: run the gRPC gateway alone."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from gateway.config import GatewayConfig
+from nightjar import paths
+from nightjar.service_util import add_common_args, env_defaults, install_stop_handlers, run_async, setup_logging
+
+
+def parse_config(argv: list[str]) -> GatewayConfig:
+    env = env_defaults()
+    p = argparse.ArgumentParser(prog="nightjar gateway", description="gRPC front door of a Nightjar stack")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 = all)")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--target", type=Path, default=paths.DEFAULT_TARGET, help="target model folder (tokenizer, limits)")
+    p.add_argument("--draft", type=Path, default=paths.DEFAULT_DRAFT, help="draft model folder (named in GetModelInfo)")
+    p.add_argument("--no-draft", action="store_true", help="report no draft model")
+    p.add_argument("--max-queued", type=int, default=256, help="requests waiting for a first token before RESOURCE_EXHAUSTED")
+    p.add_argument("--max-streams", type=int, default=1024, help="concurrent streams on this gateway")
+    p.add_argument("--max-tokens-limit", type=int, default=1024)
+    p.add_argument("--default-max-tokens", type=int, default=64)
+    p.add_argument("--drain-grace-s", type=float, default=10.0, help="SIGTERM: how long running streams may finish")
+    p.add_argument("--auth-token", default=env.auth_token, help="require 'authorization: Bearer TOKEN' (env NIGHTJAR_AUTH_TOKEN)")
+    p.add_argument("--no-require-worker", action="store_true", help="report SERVING even before a worker heartbeats")
+    add_common_args(p, env)
+    a = p.parse_args(argv)
+    try:
+        return GatewayConfig(
+            host=a.host, port=a.port, redis_url=a.redis_url, key_prefix=a.key_prefix, target_path=a.target,
+            draft_path=None if a.no_draft else a.draft, max_queued=a.max_queued, max_streams=a.max_streams,
+            max_tokens_limit=a.max_tokens_limit, default_max_tokens=a.default_max_tokens,
+            drain_grace_s=a.drain_grace_s, auth_token=a.auth_token, require_worker=not a.no_require_worker,
+            metrics_port=a.metrics_port, log_level=a.log_level,
+        )
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+async def serve(cfg: GatewayConfig) -> int:
+    from gateway.server import Gateway
+    from nightjar import metrics
+
+    metrics.serve(cfg.metrics_port)
+    gw = Gateway(cfg)
+    await gw.start()
+    stop = asyncio.Event()
+    install_stop_handlers(asyncio.get_running_loop(), lambda _sig: stop.set())
+    await stop.wait()
+    await gw.drain_and_stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(list(sys.argv[1:] if argv is None else argv))
+    setup_logging(cfg.log_level, "gateway")
+    return run_async(lambda: serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

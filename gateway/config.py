@@ -1,0 +1,71 @@
+"""The gateway's one frozen, validated configuration (built in ``gateway.__main__``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from nightjar import paths
+from nightjar.service_util import check_redis_url
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"  # "0.0.0.0" to listen on every interface (compose does)
+    port: int = 50051  # 0 = pick a free port (tests)
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "nj"
+    target_path: Path = paths.DEFAULT_TARGET  # tokenizer + model limits come from this folder
+    draft_path: Path | None = paths.DEFAULT_DRAFT  # only named in GetModelInfo
+    default_max_tokens: int = 64  # used when a request leaves max_tokens at 0
+    max_tokens_limit: int = 1024  # largest max_tokens accepted
+    gamma_max: int = 6  # reported by GetModelInfo
+    max_streams: int = 1024  # concurrent Generate streams on this gateway
+    max_queued: int = 256  # requests admitted but without a first token yet (+ undispatched backlog)
+    retry_after_ms: int = 200  # hint sent with RESOURCE_EXHAUSTED
+    auth_token: str = ""  # bearer token clients must send; empty = auth off
+    drain_grace_s: float = 10.0  # SIGTERM: how long running streams may finish
+    output_ttl_s: float = 600.0  # an output stream left behind expires after this
+    cancel_ttl_s: float = 600.0  # a cancel marker lives this long (covers re-dispatch)
+    redis_timeout_s: float = 1.0  # connect timeout: UNAVAILABLE comes this fast when Redis is down
+    read_block_ms: int = 1000  # XREAD BLOCK per call while following an output stream
+    health_interval_s: float = 0.25  # how often Redis and worker liveness are polled
+    require_worker: bool = True  # health is SERVING only once a worker heartbeats
+    metrics_port: int = 0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        check_redis_url(self.redis_url)
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be 0..65535, got {self.port}")
+        if not (self.target_path / "tokenizer.json").exists() and not (self.target_path / "tokenizer_config.json").exists():
+            raise ValueError(f"--target {self.target_path} has no tokenizer (tokenizer.json); point it at a model folder")
+        for name in ("default_max_tokens", "max_tokens_limit", "max_streams", "max_queued", "read_block_ms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("default_max_tokens must not exceed max_tokens_limit")
+        for name in ("drain_grace_s", "output_ttl_s", "cancel_ttl_s", "redis_timeout_s", "health_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not self.key_prefix or ":" in self.key_prefix:
+            raise ValueError(f"key_prefix must be non-empty and contain no ':', got {self.key_prefix!r}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def model_name(self) -> str:
+        return self.target_path.name
+
+    @property
+    def draft_name(self) -> str:
+        return self.draft_path.name if self.draft_path else ""
+
+    @property
+    def max_context_tokens(self) -> int:
+        """From the target's config.json (max_position_embeddings), the engine's own limit."""
+        cfg = json.loads((self.target_path / "config.json").read_text())
+        return int(cfg.get("max_position_embeddings", 2048))

@@ -1,0 +1,118 @@
+"""The gateway process: gRPC server (InferenceService, health, reflection), Redis watch, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from gateway.admission import AdmissionTable
+from gateway.config import GatewayConfig
+from gateway.follower import RequestQueue
+from gateway.interceptors import ErrorInterceptor
+from gateway.servicer import InferenceServicer
+from nightjar.keys import Keys
+from nightjar.service_util import connect_redis
+from nightjar.v1 import inference_pb2, inference_pb2_grpc
+
+log = logging.getLogger("gateway")
+
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def load_tokenizer(cfg: GatewayConfig):
+    from transformers import AutoTokenizer  # heavy import: only when a gateway really starts
+
+    return AutoTokenizer.from_pretrained(str(cfg.target_path))
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig, tokenizer=None) -> None:
+        self.cfg = cfg
+        self.keys = Keys(cfg.key_prefix)
+        self._tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+        self._redis = connect_redis(cfg.redis_url, timeout_s=cfg.redis_timeout_s,
+                                    block_margin_s=cfg.read_block_ms / 1000 + 5.0)
+        # A separate client for the health poll, with a short read timeout: a hung Redis
+        # must turn the gateway NOT_SERVING quickly, not after a blocking read's margin.
+        self._probe = connect_redis(cfg.redis_url, timeout_s=cfg.redis_timeout_s, block_margin_s=cfg.redis_timeout_s)
+        self.table = AdmissionTable(cfg.max_streams, cfg.max_queued, cfg.retry_after_ms)
+        self.queue = RequestQueue(self._redis, self.keys, read_block_ms=cfg.read_block_ms, cancel_ttl_s=cfg.cancel_ttl_s)
+        self.health = HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self._watch_task: asyncio.Task | None = None
+        self._status: int | None = None
+
+    async def start(self) -> int:
+        server = grpc.aio.server(interceptors=[ErrorInterceptor(self.cfg.auth_token)],
+                                 options=[("grpc.so_reuseport", 0)])
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server(
+            InferenceServicer(self.cfg, self._tokenizer, self.queue, self.table), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        self.port = server.add_insecure_port(self.cfg.address if self.cfg.port else f"{self.cfg.host}:0")
+        if not self.port:
+            raise RuntimeError(f"could not listen on {self.cfg.address} (port in use?)")
+        await self._set_health(NOT_SERVING)
+        await server.start()
+        self.server = server
+        self._watch_task = asyncio.create_task(self._watch(), name="gateway-watch")
+        log.info("gateway listening on %s:%d (model %s)", self.cfg.host, self.port, self.cfg.model_name)
+        return self.port
+
+    async def drain_and_stop(self) -> None:
+        """Stop taking requests, let running streams finish for up to the grace period, stop."""
+        if self.server is None:
+            return
+        self.table.draining = True
+        await self._set_health(NOT_SERVING)
+        n = self.table.in_flight
+        if n:
+            log.info("draining %d streams (grace %.1fs)", n, self.cfg.drain_grace_s)
+            try:
+                await asyncio.wait_for(self.table.idle.wait(), self.cfg.drain_grace_s)
+            except TimeoutError:
+                log.warning("grace period over with %d streams still open; cancelling them", self.table.in_flight)
+        await self.server.stop(grace=1.0)  # cancelled handlers publish their cancels
+        if self._watch_task:
+            self._watch_task.cancel()
+        await self.queue.drain_background()
+        await self._redis.aclose()
+        await self._probe.aclose()
+        self.server = None
+
+    async def wait(self) -> None:
+        if self.server is not None:
+            await self.server.wait_for_termination()
+
+    async def _watch(self) -> None:
+        """Poll Redis: reachability (fast UNAVAILABLE), backlog (queue cap), live workers (health)."""
+        while True:
+            try:
+                async with self._probe.pipeline(transaction=False) as pipe:
+                    pipe.xlen(self.keys.requests)
+                    pipe.smembers(self.keys.workers)
+                    backlog, workers = await pipe.execute()
+                live = await self._probe.exists(*(self.keys.heartbeat(w.decode()) for w in workers)) if workers else 0
+                self.table.redis_ok, self.table.backlog = True, int(backlog)
+                ready = live > 0 or not self.cfg.require_worker
+            except Exception as exc:  # any Redis failure means: not serving
+                if self.table.redis_ok:
+                    log.warning("Redis unreachable: %s", exc)
+                self.table.redis_ok, ready = False, False
+            await self._set_health(SERVING if ready and not self.table.draining else NOT_SERVING)
+            await asyncio.sleep(self.cfg.health_interval_s)
+
+    async def _set_health(self, status: int) -> None:
+        if status != self._status:
+            self._status = status
+            await self.health.set("", status)
+            await self.health.set(SERVICE_NAME, status)

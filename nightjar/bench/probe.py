@@ -1,0 +1,134 @@
+"""StackProbe: what the stack itself says while the load runs, read from Redis.
+
+Workers' heartbeats give the instantaneous state (running, waiting, γ in force, draft
+residency, KV blocks); the step statistics stream (``keys.stats``, ``messages.StepStats``) gives
+every engine step. The stream is capped, so the probe reads it incrementally on every sample
+rather than once at the end, and keeps only the steps of its own run (it starts after the
+stream's last id at ``start``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import redis.asyncio as aioredis
+
+from nightjar.keys import Keys
+from nightjar.messages import Heartbeat, MessageError, StepStats
+
+
+class StackProbe:
+    def __init__(self, redis_url: str, key_prefix: str = "nj") -> None:
+        self.keys = Keys(key_prefix)
+        self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=5)
+        self._last_id = b"0-0"
+        self.steps: list[StepStats] = []
+        self.undecodable = 0
+
+    async def start(self) -> None:
+        """Skip the steps of earlier runs (warm-up, previous workloads)."""
+        last = await self._redis.xrevrange(self.keys.stats, count=1)
+        self._last_id = last[0][0] if last else b"0-0"
+        self.steps = []
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    async def heartbeats(self) -> list[Heartbeat]:
+        ids = sorted(await self._redis.smembers(self.keys.workers))
+        if not ids:
+            return []
+        raw = await self._redis.mget([self.keys.heartbeat(w.decode()) for w in ids])
+        out = []
+        for blob in raw:
+            if blob is not None:
+                try:
+                    out.append(Heartbeat.decode(blob))
+                except MessageError:
+                    self.undecodable += 1
+        return out
+
+    async def read_steps(self) -> list[StepStats]:
+        """Every step written since the previous call."""
+        new: list[StepStats] = []
+        while True:
+            entries = await self._redis.xrange(self.keys.stats, min=b"(" + self._last_id, count=2000)
+            for entry_id, fields in entries:
+                self._last_id = entry_id
+                for blob in fields.values():
+                    try:
+                        new.append(StepStats.decode(blob))
+                    except MessageError:
+                        self.undecodable += 1
+            if len(entries) < 2000:
+                break
+        self.steps.extend(new)
+        return new
+
+    async def __call__(self) -> dict:
+        """One timeline sample: heartbeat state plus the steps since the last sample."""
+        hbs = await self.heartbeats()
+        new = await self.read_steps()
+        row: dict = {
+            "workers": len(hbs),
+            "running": sum(h.running for h in hbs),
+            "waiting": sum(h.waiting for h in hbs),
+            "kv_blocks_total": sum(h.kv_blocks_total for h in hbs),
+            "kv_blocks_free": sum(h.kv_blocks_free for h in hbs),
+            "gamma_hb": max((h.gamma for h in hbs), default=0),
+            "residency": _majority([h.draft_residency for h in hbs]),
+            "policy_version": max((h.policy_version for h in hbs), default=-1),
+        }
+        if new:
+            decode_steps = [s for s in new if s.batch_size > 0]
+            row["steps"] = len(new)
+            row["batch"] = sum(s.batch_size for s in decode_steps) / max(len(decode_steps), 1)
+            # γ in force, weighted by steps (γ may change within the sample's half second).
+            row["gamma"] = sum(s.gamma for s in decode_steps) / max(len(decode_steps), 1)
+            row["step_tokens_per_s"] = sum(s.emitted_tokens for s in new) / max(sum(s.step_ms for s in new) / 1000.0, 1e-9)
+            row["residency_step"] = new[-1].draft_residency
+        return row
+
+
+def _majority(values: list[str]) -> str:
+    return Counter(values).most_common(1)[0][0] if values else "none"
+
+
+def summarize_steps(steps: list[StepStats]) -> dict:
+    """Per-run totals from the engine's step statistics (pure; ``steps`` in stream order)."""
+    out = {"steps": len(steps), "gamma_switches": 0, "offloads": 0, "reloads": 0, "acceptance": None,
+           "accepted_per_step": None, "spec_step_share": 0.0, "catchup_tokens": 0, "catchup_ms": 0.0,
+           "preempted": 0, "emitted_tokens": 0, "mean_batch": 0.0, "mean_step_ms": 0.0, "acceptance_alarms": 0}
+    if not steps:
+        return out
+    last_gamma: dict[str, int] = {}
+    last_res: dict[str, str] = {}
+    proposed = accepted = spec_steps = 0
+    for s in steps:
+        if s.worker_id in last_gamma and s.gamma != last_gamma[s.worker_id]:
+            out["gamma_switches"] += 1
+        last_gamma[s.worker_id] = s.gamma
+        prev = last_res.get(s.worker_id)
+        if prev is not None and prev != s.draft_residency:
+            if s.draft_residency in ("offloading", "offloaded") and prev in ("resident", "reloading"):
+                out["offloads"] += 1
+            elif s.draft_residency in ("reloading", "resident") and prev in ("offloading", "offloaded"):
+                out["reloads"] += 1
+        last_res[s.worker_id] = s.draft_residency
+        if s.gamma > 0 and s.batch_size > 0:
+            spec_steps += 1
+            proposed += s.gamma * s.batch_size
+            accepted += sum(s.accepted_per_position)
+        out["catchup_tokens"] += s.catchup_tokens
+        out["catchup_ms"] += s.catchup_ms
+        out["preempted"] += s.preempted
+        out["emitted_tokens"] += s.emitted_tokens
+        out["acceptance_alarms"] += int(s.acceptance_alarm)
+    decode = [s for s in steps if s.batch_size > 0]
+    out["mean_batch"] = sum(s.batch_size for s in decode) / max(len(decode), 1)
+    out["mean_step_ms"] = sum(s.step_ms for s in steps) / len(steps)
+    out["spec_step_share"] = spec_steps / max(len(decode), 1)
+    if proposed:
+        out["acceptance"] = accepted / proposed  # share of drafted tokens the target kept
+        out["accepted_per_step"] = accepted / max(sum(s.batch_size for s in decode if s.gamma > 0), 1)
+    return out

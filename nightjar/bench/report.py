@@ -1,0 +1,153 @@
+"""Report: per-run metrics from the load generator's records, the JSON file, the markdown tables,
+and the headline ratios checked against the project's goals.
+
+Throughput is output tokens delivered ÷ makespan (first send to last completion, as vLLM's
+``benchmark_serving`` measures it), so under an identical open-loop arrival schedule a policy
+that keeps up finishes sooner. Latencies are client-side (the gRPC stream as a user sees it).
+Inter-token latency is per request (last token − first token) ÷ (tokens − 1), then averaged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from nightjar.bench.loadgen import LoadResult
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation (numpy's default); None if empty."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def stats(values: list[float]) -> dict:
+    xs = [v for v in values if v is not None]
+    return {"mean": sum(xs) / len(xs) if xs else None, "p50": percentile(xs, 50), "p99": percentile(xs, 99), "n": len(xs)}
+
+
+def summarize(result: LoadResult, step_summary: dict | None = None) -> dict:
+    recs = result.records
+    ok = [r for r in recs if r.ok]
+    sent = [r for r in recs if r.status != "not_sent"]
+    tokens = sum(r.completion_tokens for r in sent)
+    start = min((r.sent_s for r in sent), default=0.0)
+    end = max((r.end_s for r in sent if r.end_s is not None), default=result.wall_s)
+    if any(not r.ok for r in sent):  # cut off by the drain bound: the run lasted until the cut
+        end = max(end, result.wall_s)
+    makespan = max(end - start, 1e-9)
+    lag = [r.sent_s - r.planned_s for r in sent]
+    out = {
+        "label": result.label, "workload": result.workload, "requests": len(recs), "sent": len(sent), "ok": len(ok),
+        "failed": {s: sum(r.status == s for r in sent) for s in sorted({r.status for r in sent if not r.ok})},
+        "output_tokens": tokens, "makespan_s": makespan,
+        "tokens_per_s": tokens / makespan, "requests_per_s": len(ok) / makespan,
+        "ttft_s": stats([r.ttft_s for r in ok]), "itl_s": stats([r.itl_s for r in ok]), "e2e_s": stats([r.e2e_s for r in ok]),
+        "send_lag_s": stats(lag),
+    }
+    if step_summary is not None:
+        out["engine"] = step_summary
+    return out
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+# --------------------------------------------------------------------------- goals
+
+# (name, workloads it applies to, baseline chooser, metric, direction, threshold)
+# direction "ge": nightjar / baseline >= threshold; "le": <= threshold.
+GOALS = (
+    ("throughput vs fixed-γ (dynamic)", "dynamic", "fixed", "tokens_per_s", "ge", 1.27),
+    ("mean e2e latency vs fixed-γ (dynamic)", "dynamic", "fixed", "e2e_mean", "le", 0.80),
+    ("throughput vs threshold (dynamic)", "dynamic", "threshold", "tokens_per_s", "ge", 1.05),
+    ("throughput vs table (dynamic)", "dynamic", "table", "tokens_per_s", "ge", 1.05),
+    ("throughput vs fixed-γ (steady low)", "low", "fixed", "tokens_per_s", "ge", 0.95),
+    ("mean e2e latency vs fixed-γ (steady low)", "low", "fixed", "e2e_mean", "le", 1 / 0.95),
+    ("throughput vs off (steady overload)", "overload", "off", "tokens_per_s", "ge", 0.97),
+    ("TTFT p50, offload vs no offload (overload)", "overload", "nightjar-nooffload", "ttft_p50", "le", 0.70),
+)
+
+
+def metric(run: dict, name: str) -> float | None:
+    if name == "tokens_per_s":
+        return run["tokens_per_s"]
+    if name == "e2e_mean":
+        return run["e2e_s"]["mean"]
+    if name == "ttft_p50":
+        return run["ttft_s"]["p50"]
+    raise ValueError(f"unknown metric {name!r}")
+
+
+def _baseline(policies: list[str], kind: str) -> str | None:
+    if kind in policies:
+        return kind
+    return next((p for p in policies if p.split(":", 1)[0] == kind), None)
+
+
+def goal_rows(runs: list[dict], workload_kinds: dict[str, str], subject: str = "nightjar") -> list[dict]:
+    """One row per (goal, workload): nightjar's ratio to the goal's baseline and whether it met it."""
+    by = {(r["policy"], r["workload"]): r for r in runs}
+    policies = sorted({r["policy"] for r in runs})
+    rows = []
+    for name, kind, base_kind, met, direction, threshold in GOALS:
+        base = _baseline(policies, base_kind)
+        for wl, wl_kind in workload_kinds.items():
+            if wl_kind != kind or base is None or (subject, wl) not in by or (base, wl) not in by:
+                continue
+            r = ratio(metric(by[(subject, wl)], met), metric(by[(base, wl)], met))
+            ok = None if r is None else (r >= threshold if direction == "ge" else r <= threshold)
+            rows.append({"goal": name, "workload": wl, "baseline": base, "ratio": r,
+                         "target": f"{'≥' if direction == 'ge' else '≤'} {threshold:.2f}", "met": ok})
+    return rows
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _f(x: float | None, digits: int = 2, scale: float = 1.0) -> str:
+    return "–" if x is None else f"{x * scale:.{digits}f}"
+
+
+def markdown_runs(runs: list[dict]) -> str:
+    head = ("| workload | policy | ok/sent | tok/s | req/s | TTFT mean / p50 / p99 (s) | ITL mean / p50 / p99 (ms) "
+            "| e2e mean / p50 / p99 (s) | γ switches | offloads | acceptance | mean batch |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in runs:
+        e = r.get("engine") or {}
+        t, i, l = r["ttft_s"], r["itl_s"], r["e2e_s"]
+        lines.append(
+            f"| {r['workload']} | {r['policy']} | {r['ok']}/{r['sent']} | {_f(r['tokens_per_s'], 1)} | {_f(r['requests_per_s'], 3)} "
+            f"| {_f(t['mean'])} / {_f(t['p50'])} / {_f(t['p99'])} | {_f(i['mean'], 0, 1e3)} / {_f(i['p50'], 0, 1e3)} / {_f(i['p99'], 0, 1e3)} "
+            f"| {_f(l['mean'])} / {_f(l['p50'])} / {_f(l['p99'])} | {e.get('gamma_switches', '–')} | {e.get('offloads', '–')} "
+            f"| {_f(e.get('acceptance'))} | {_f(e.get('mean_batch'), 1)} |")
+    return "\n".join(lines)
+
+
+def markdown_goals(rows: list[dict]) -> str:
+    lines = ["| goal | workload | baseline | nightjar ÷ baseline | target | result |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        verdict = "–" if r["met"] is None else ("met" if r["met"] else "**missed**")
+        lines.append(f"| {r['goal']} | {r['workload']} | {r['baseline']} | {_f(r['ratio'], 3)} | {r['target']} | {verdict} |")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, default=_jsonable))
+
+
+def _jsonable(x):
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if isinstance(x, Path):
+        return str(x)
+    raise TypeError(f"not JSON-serializable: {type(x).__name__}")

@@ -1,0 +1,109 @@
+"""Rich tables for the dicts that ``reader.QueueReader`` returns (the JSON form is those dicts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich import box
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def _table(title: str, columns: list[tuple[str, str]], rows: list[dict[str, Any]], caption: str = "") -> Table:
+    t = Table(title=title, caption=caption or None, expand=False, box=box.SIMPLE_HEAD, title_justify="left")
+    # An all-empty error column only costs width: show it when some row has an error.
+    columns = [(h, k) for h, k in columns if k != "error" or any(row.get("error") for row in rows)]
+    for header, key in columns:
+        # Every column keeps room for 6 characters (so none collapses to nothing); longer values fold.
+        widest = max([len(header)] + [len(_fmt(row.get(key))) for row in rows])
+        t.add_column(header, overflow="fold", min_width=min(6, widest))
+    for row in rows:
+        cells = []
+        for _, key in columns:
+            v = row.get(key)
+            cell = Text(_fmt(v), style="red") if key == "error" and v else Text(_fmt(v))
+            cells.append(cell)
+        t.add_row(*cells)
+    return t
+
+
+def ls_table(doc: dict[str, Any]) -> Table:
+    return _table(f"waiting requests: {doc['waiting']}", [
+        ("entry", "entry_id"), ("request", "request_id"), ("age s", "age_s"), ("prompt tok", "prompt_tokens"),
+        ("max tok", "max_tokens"), ("deliveries", "deliveries"), ("attempt", "attempt"),
+        ("deadline in s", "deadline_in_s"), ("error", "error")], doc["requests"],
+        caption=f"showing {doc['shown']} of {doc['waiting']}" if doc["shown"] < doc["waiting"] else "")
+
+
+def inflight_table(doc: dict[str, Any]) -> Table:
+    rows = [dict(r, progress_pct=None if r.get("progress") is None else round(100 * r["progress"], 1))
+            for r in doc["requests"]]
+    return _table(f"in flight: {doc['total']}", [
+        ("worker", "worker"), ("request", "request_id"), ("age s", "age_s"), ("attempt", "attempt"),
+        ("prompt tok", "prompt_tokens"), ("generated", "generated"), ("max tok", "max_tokens"),
+        ("progress %", "progress_pct"), ("finish", "finish_reason"), ("error", "error")], rows)
+
+
+def workers_table(doc: dict[str, Any]) -> Table:
+    models = sorted({w["model"] for w in doc["workers"] if w.get("model")})
+    return _table(f"workers: {doc['alive']} alive of {doc['total']}" + (f" (model {', '.join(models)})" if models else ""), [
+        ("worker", "worker_id"), ("alive", "alive"), ("hb age s", "heartbeat_age_s"), ("running", "running"),
+        ("waiting", "waiting"), ("batch", "batch_size"), ("γ", "gamma"), ("draft", "draft_residency"),
+        ("kv used", "kv_blocks_used"), ("kv free", "kv_blocks_free"), ("assigned", "assigned"),
+        ("inbox", "inbox"), ("policy v", "policy_version"), ("error", "error")], doc["workers"])
+
+
+def policy_view(doc: dict[str, Any]) -> Group | Text:
+    pol = doc["policy"]
+    if pol is None:
+        return Text(f"no policy: {doc['error']}" if doc["error"] else "no policy published yet",
+                    style="red" if doc["error"] else "yellow")
+    head = Text(f"policy {pol['name']} v{pol['version']}, age {_fmt(pol['age_s'])} s, ttl {_fmt(pol['ttl_s'])} s"
+                + ("  STALE (workers use their local default)" if pol["stale"] else ""),
+                style="red" if pol["stale"] else "")
+    buckets = _table("γ by batch size", [("batch size ≤", "max_batch_size"), ("γ", "gamma")], pol["buckets"])
+    residency = _table("draft residency", [("worker", "worker"), ("residency", "residency")],
+                       [{"worker": w, "residency": s} for w, s in pol["residency"].items()])
+    return Group(head, buckets, residency)
+
+
+def stats_view(doc: dict[str, Any]) -> Group:
+    head = Text(f"{doc['steps']} steps over {_fmt(doc['window_s'])} s; preempted {doc['preempted']}; "
+                f"catch-ups {doc['catchup']['count']} ({doc['catchup']['tokens']} tokens, "
+                f"mean {_fmt(doc['catchup']['mean_ms'])} ms); acceptance alarms {doc['acceptance_alarms']}",
+                style="red" if doc["acceptance_alarms"] else "")
+    acc = _table("acceptance per draft position", [("position", "position"), ("offered", "offered"),
+                                                   ("accepted", "accepted"), ("rate", "rate")],
+                 doc["acceptance_per_position"])
+    by_gamma = _table("step time by γ", [
+        ("γ", "gamma"), ("steps", "steps"), ("batch", "mean_batch_size"), ("mean ms", "mean_step_ms"),
+        ("p50 ms", "p50_step_ms"), ("p90 ms", "p90_step_ms"), ("tok/step", "tokens_per_step"),
+        ("ms/tok", "ms_per_token")], doc["by_gamma"])
+    parts: list[Any] = [head, acc, by_gamma]
+    if doc["errors"]:
+        parts.append(_table("undecodable entries", [("entry", "entry_id"), ("error", "error")], doc["errors"]))
+    return Group(*parts)
+
+
+def dlq_table(doc: dict[str, Any]) -> Table:
+    return _table(f"dead letters: {doc['count']}", [
+        ("id", "id"), ("queue entry", "entry_id"), ("request", "request_id"), ("reason", "reason"),
+        ("deliveries", "deliveries"), ("age s", "age_s"), ("bytes", "payload_bytes"), ("error", "error")],
+        doc["dead_letters"])
+
+
+def dashboard(doc: dict[str, Any]) -> Group:
+    """Everything on one screen (``nightjar queue watch``)."""
+    return Group(workers_table(doc["workers"]), ls_table(doc["queue"]), inflight_table(doc["inflight"]),
+                 policy_view(doc["policy"]), stats_view(doc["stats"]), dlq_table(doc["dlq"]))

@@ -1,0 +1,108 @@
+"""What every service process shares: the environment, the Redis connection, logging, signals.
+
+The environment is read here and only here (``env_defaults``); each service's ``__main__``
+turns it plus its argv into one frozen config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+ENV_PREFIX = "NIGHTJAR_"
+
+
+@dataclass(frozen=True)
+class EnvDefaults:
+    """Settings that every service can take from the environment (compose.yaml sets them)."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "nj"
+    log_level: str = "INFO"
+    metrics_port: int = 0  # 0 = no /metrics endpoint
+    auth_token: str = ""  # gateway bearer token; empty = auth off
+
+
+def env_defaults(environ: Mapping[str, str] | None = None) -> EnvDefaults:
+    """Read NIGHTJAR_REDIS_URL, NIGHTJAR_KEY_PREFIX, NIGHTJAR_LOG_LEVEL, NIGHTJAR_METRICS_PORT,
+    NIGHTJAR_AUTH_TOKEN. Command-line flags override these."""
+    env = os.environ if environ is None else environ
+    base = EnvDefaults()
+    port = env.get(ENV_PREFIX + "METRICS_PORT", str(base.metrics_port))
+    try:
+        metrics_port = int(port)
+    except ValueError:
+        raise ValueError(f"NIGHTJAR_METRICS_PORT must be an integer port, got {port!r}") from None
+    return EnvDefaults(
+        redis_url=env.get(ENV_PREFIX + "REDIS_URL", base.redis_url),
+        key_prefix=env.get(ENV_PREFIX + "KEY_PREFIX", base.key_prefix),
+        log_level=env.get(ENV_PREFIX + "LOG_LEVEL", base.log_level),
+        metrics_port=metrics_port,
+        auth_token=env.get(ENV_PREFIX + "AUTH_TOKEN", base.auth_token),
+    )
+
+
+def check_redis_url(url: str) -> str:
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"redis url must start with redis://, rediss:// (TLS) or unix://, got {url!r}")
+    return url
+
+
+def connect_redis(url: str, *, timeout_s: float = 1.0, block_margin_s: float = 5.0) -> aioredis.Redis:
+    """An asyncio client for ``url`` (password and TLS come from the URL: rediss://:pw@host).
+
+    ``timeout_s`` bounds connecting, so an unreachable Redis fails fast instead of hanging a
+    request; reads may block for ``block_margin_s`` because XREAD BLOCK waits on purpose.
+    """
+    return aioredis.Redis.from_url(
+        check_redis_url(url),
+        socket_connect_timeout=timeout_s,
+        socket_timeout=block_margin_s,
+        health_check_interval=10,
+        max_connections=None,
+    )
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def setup_logging(level: str, service: str) -> logging.Logger:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return logging.getLogger(service)
+
+
+def install_stop_handlers(loop: asyncio.AbstractEventLoop, on_stop: Callable[[str], None]) -> None:
+    """Call ``on_stop(signal_name)`` on SIGINT/SIGTERM (inside the loop, never re-entrantly)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_stop, sig.name)
+
+
+def run_async(main: Callable[[], "asyncio.Future | object"]) -> int:
+    """Run ``main()`` (a coroutine function) on uvloop and return its exit code."""
+    try:
+        import uvloop
+
+        return int(uvloop.run(main()) or 0)
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return int(asyncio.run(main()) or 0)
+
+
+def add_common_args(parser, env: EnvDefaults) -> None:
+    """The flags every service takes; their defaults come from the environment."""
+    parser.add_argument("--redis-url", default=env.redis_url, help="redis:// or rediss:// (TLS) URL, password inside (env NIGHTJAR_REDIS_URL)")
+    parser.add_argument("--key-prefix", default=env.key_prefix, help="prefix of every Redis key (env NIGHTJAR_KEY_PREFIX)")
+    parser.add_argument("--log-level", default=env.log_level, help="DEBUG, INFO, WARNING (env NIGHTJAR_LOG_LEVEL)")
+    parser.add_argument("--metrics-port", type=int, default=env.metrics_port, help="Prometheus /metrics port, 0 = off (env NIGHTJAR_METRICS_PORT)")

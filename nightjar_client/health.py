@@ -1,0 +1,87 @@
+"""``nightjar health``: ask a service's gRPC health endpoint whether it is SERVING.
+
+Exit 0 when SERVING, 1 otherwise; the compose healthchecks run it. Services without a gRPC
+port (scheduler, planner, worker) are checked with ``--http URL`` instead: their Prometheus
+endpoint answering 200 means the process is up. ``--wait-s`` keeps
+asking until the service serves or the time is up (useful in scripts that start a stack).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from . import config
+from .channel import sync_channel
+
+
+def check(target: str, service: str = "", timeout_s: float = 2.0) -> str:
+    """The health status name ("SERVING", "NOT_SERVING", ...) or "UNREACHABLE: <code>"."""
+    channel = sync_channel(target)
+    try:
+        stub = health_pb2_grpc.HealthStub(channel)
+        resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    except grpc.RpcError as exc:
+        return f"UNREACHABLE: {exc.code().name if exc.code() else 'UNKNOWN'}"
+    finally:
+        channel.close()
+
+
+def check_http(url: str, timeout_s: float = 2.0) -> str:
+    """"SERVING" when ``url`` answers 200, else "UNREACHABLE: <why>"."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return "SERVING" if resp.status == 200 else f"UNREACHABLE: HTTP {resp.status}"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return f"UNREACHABLE: {exc}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nightjar health", description="Check a Nightjar service's gRPC health.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", default=config.env_target(), help=f"host:port (env {config.TARGET_ENV})")
+    p.add_argument("--http", default=None, metavar="URL",
+                   help="check this HTTP URL (a service's /metrics) instead of gRPC health")
+    p.add_argument("--service", default="", help="health service name ('' = the whole server)")
+    p.add_argument("--timeout-s", type=float, default=2.0, help="per-check timeout")
+    p.add_argument("--wait-s", type=float, default=0.0, help="keep checking until SERVING for this long")
+    p.add_argument("--quiet", action="store_true", help="print nothing, only set the exit code")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.http is None:
+        try:
+            config.check_target(args.target)
+        except ValueError as exc:
+            print(f"nightjar health: {exc}", file=sys.stderr)
+            return 2
+    elif not args.http.startswith(("http://", "https://")):
+        print(f"nightjar health: --http must be an http:// or https:// URL, got {args.http!r}", file=sys.stderr)
+        return 2
+    deadline = time.monotonic() + args.wait_s
+    while True:
+        if args.http is not None:
+            status = check_http(args.http, args.timeout_s)
+        else:
+            status = check(args.target, args.service, args.timeout_s)
+        if status == "SERVING" or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    if not args.quiet:
+        where = args.http or f"{args.target} {args.service or '(server)'}"
+        print(f"{where}: {status}")
+    return 0 if status == "SERVING" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""``nightjar planner``: run the planner alone."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from redis.exceptions import RedisError
+
+from nightjar.service_util import add_common_args, connect_redis, env_defaults, install_stop_handlers, run_async, setup_logging
+from planner_svc.config import PlannerConfig
+from planner_svc.policies import SPECS
+
+
+def parse_config(argv: list[str]) -> PlannerConfig:
+    env = env_defaults()
+    p = argparse.ArgumentParser(prog="nightjar planner", description="learn γ per batch size and draft residency")
+    p.add_argument("--policy", default="nightjar", help=f"one of: {', '.join(SPECS)}")
+    p.add_argument("--gamma-max", type=int, default=4, help="largest speculation depth γ")
+    p.add_argument("--ttl-s", type=float, default=10.0, help="workers fall back to their default γ after this")
+    p.add_argument("--seed", type=int, default=0, help="seed of the policy's exploration")
+    p.add_argument("--buckets", default=",".join(map(str, PlannerConfig().buckets)),
+                   help="batch-size bucket upper bounds, ascending, comma-separated")
+    p.add_argument("--consumer", default=None, help="consumer name in the stats group (default: unique per process)")
+    add_common_args(p, env)
+    a = p.parse_args(argv)
+    extra = {"consumer": a.consumer} if a.consumer else {}
+    try:
+        buckets = tuple(int(x) for x in a.buckets.split(",") if x.strip())
+        return PlannerConfig(redis_url=a.redis_url, key_prefix=a.key_prefix, policy=a.policy, gamma_max=a.gamma_max,
+                             ttl_s=a.ttl_s, seed=a.seed, buckets=buckets, metrics_port=a.metrics_port,
+                             log_level=a.log_level, **extra)
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+async def serve(cfg: PlannerConfig) -> int:
+    from nightjar import metrics
+    from planner_svc.service import PlannerService
+
+    metrics.serve(cfg.metrics_port)
+    redis = connect_redis(cfg.redis_url, block_margin_s=cfg.read_block_ms / 1000 + 5.0)
+    stop = asyncio.Event()
+    install_stop_handlers(asyncio.get_running_loop(), lambda _sig: stop.set())
+    while not stop.is_set():  # Redis may not be up yet (compose starts everything at once)
+        try:
+            await PlannerService(cfg, redis).run(stop)
+        except (RedisError, OSError) as exc:
+            logging.getLogger("planner").warning("cannot reach Redis (%s); retrying", exc)
+            await asyncio.sleep(1.0)
+    await redis.aclose()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(list(sys.argv[1:] if argv is None else argv))
+    setup_logging(cfg.log_level, "planner")
+    return run_async(lambda: serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""``nightjar``: a contextual bandit over γ per batch-size bucket, with shared statistics.
+
+Context: the batch-size bucket b (and, for residency, the worker's memory pressure). Arms:
+γ ∈ {0..γmax}. Loss of arm γ in bucket b, in ms per emitted token:
+
+    L(b, γ) = ( Σ_B p_b(B) · t̂(B, γ) + ĉ(b, γ) ) / ( Σ_B p_b(B) · B · Ê(γ) )
+
+with p_b the bucket's (decayed) batch-size histogram, t̂ the fitted step-cost model
+(StepCostModel), Ê the expected tokens per sequence from per-position acceptance
+(AcceptanceEstimate) and ĉ the measured catch-up ms per step when the arm is played. Every
+step updates t̂ and Ê, which predict *every* arm, so no arm has to be played to be valued.
+
+Schedule (ADA-BinGreedy style, per bucket): the bucket's own steps form a timeline of blocks;
+block j has ``bins_per_block`` bins of min(bin_max, bin_base·2^j) steps. Decisions happen only
+at bin ends, so γ changes at most twice per bin (probe and return). At a bin end, with
+probability ε_j = max(ε_min, ε_0/(1+j)) the next bin (short, bin_base steps) probes the cheapest
+uncertain arm predicted within ``probe_margin`` of the greedy one (else a neighbour γ±1);
+otherwise it exploits argmin L, switching only if the gain beats ``switch_margin`` plus the
+catch-up cost amortised over the next bin's tokens. When the greedy arm is 0 the neighbour
+probe γ=1 keeps acceptance data alive (scaled by how cheap the probe is predicted to be), and
+estimates decay as new data arrives, so it never deadlocks at γ = 0. A bin whose observed loss
+misses its prediction by more than ``change_tolerance`` restarts the bucket's schedule at block 0.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from nightjar.messages import StepStats
+from planner_svc.policies.acceptance_estimate import AcceptanceEstimate, AcceptanceSettings
+from planner_svc.policies.base import DEFAULT_BUCKETS, GammaPolicy, bucket_index
+from planner_svc.policies.residency import ResidencyController, ResidencySettings
+from planner_svc.policies.step_cost_model import StepCostModel, StepCostSettings
+
+
+@dataclass(frozen=True)
+class NightjarSettings:
+    bin_base: int = 8  # steps per bin in block 0, and per probe bin
+    bin_max: int = 128
+    bins_per_block: int = 8
+    epsilon0: float = 0.5
+    epsilon_min: float = 0.03
+    probe_margin: float = 0.15  # only probe arms predicted within 15% of the greedy arm
+    min_plays: int = 8  # an arm with fewer plays in a bucket counts as uncertain
+    stale_steps: int = 5000  # ... and so does one not played for this many bucket steps
+    switch_margin: float = 0.01  # hysteresis: switch only for a predicted gain above 1%
+    change_tolerance: float = 0.3
+    initial_gamma: int = 1
+    offload: bool = True
+    acceptance: AcceptanceSettings = field(default_factory=AcceptanceSettings)
+    cost: StepCostSettings = field(default_factory=StepCostSettings)
+    residency: ResidencySettings = field(default_factory=ResidencySettings)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.bin_base <= self.bin_max:
+            raise ValueError(f"need 1 <= bin_base <= bin_max, got {self.bin_base}, {self.bin_max}")
+        if self.bins_per_block < 1 or self.min_plays < 0 or self.stale_steps < 1:
+            raise ValueError("bins_per_block and stale_steps must be >= 1, min_plays >= 0")
+        if not 0 <= self.epsilon_min <= self.epsilon0 <= 1:
+            raise ValueError("need 0 <= epsilon_min <= epsilon0 <= 1")
+        if self.probe_margin < 0 or self.switch_margin < 0 or self.change_tolerance <= 0 or self.initial_gamma < 0:
+            raise ValueError("margins must be >= 0, change_tolerance > 0, initial_gamma >= 0")
+
+
+class _Timeline:
+    """One bucket's schedule and per-arm bookkeeping."""
+
+    def __init__(self, lo: int, hi: int, arm: int, arms: int, bin_base: int) -> None:
+        self.lo, self.hi = lo, hi
+        self.hist = np.zeros(hi - lo + 1)  # decayed counts of batch sizes lo..hi
+        self.arm = arm  # arm in force
+        self.exploit_arm = arm  # arm to return to after a probe
+        self.block = 0
+        self.bin_index = 0
+        self.steps_left = bin_base
+        self.probing = False
+        self.steps = 0
+        self.plays = [0] * arms
+        self.last_played = [-(1 << 30)] * arms
+        # Catch-up ms and plays per arm, both decayed per bucket step; ĉ = sum / (plays + 20), so an
+        # arm not played for a while forgets a past switching cost instead of carrying it forever.
+        self.catchup = [0.0] * arms
+        self.recent_plays = [0.0] * arms
+        self.hist_scale = self.catchup_scale = 1.0
+        self.bin_ms = 0.0
+        self.bin_tokens = 0.0
+        self.predicted = 0.0  # predicted loss of the bin's arm when the bin began
+
+    # Decay without touching every entry each step: new data is added with a weight that grows
+    # by 1/decay per step, and everything is renormalised once the weight gets large.
+    def observe(self, batch: int, gamma: int, catchup_ms: float) -> None:
+        self.hist_scale *= 1.0 / 0.999  # batch-size mix drifts: ~1000 steps of memory
+        self.hist[min(batch, self.hi) - self.lo] += self.hist_scale
+        self.catchup_scale *= 1.0 / 0.995  # switching costs: ~200 steps of memory
+        self.catchup[gamma] += catchup_ms * self.catchup_scale
+        self.recent_plays[gamma] += self.catchup_scale
+        if self.hist_scale > 1e9 or self.catchup_scale > 1e9:
+            self.normalise()
+
+    def normalise(self) -> None:
+        self.hist /= self.hist_scale
+        self.catchup = [c / self.catchup_scale for c in self.catchup]
+        self.recent_plays = [p / self.catchup_scale for p in self.recent_plays]
+        self.hist_scale = self.catchup_scale = 1.0
+
+    def catchup_per_step(self) -> np.ndarray:
+        return np.asarray(self.catchup) / (np.asarray(self.recent_plays) + 20.0 * self.catchup_scale)
+
+    def support(self) -> tuple[np.ndarray, np.ndarray]:
+        total = self.hist.sum()
+        if total <= 0:
+            return np.array([float(self.hi)]), np.array([1.0])
+        keep = np.flatnonzero(self.hist >= 0.02 * self.hist.max())
+        return (keep + self.lo).astype(float), self.hist[keep] / self.hist[keep].sum()
+
+
+class NightjarPolicy(GammaPolicy):
+    name = "nightjar"
+
+    def __init__(self, settings: NightjarSettings = NightjarSettings(), *, gamma_max: int, seed: int = 0,
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, max_batch: int | None = None) -> None:
+        super().__init__(gamma_max=gamma_max, buckets=buckets)
+        self.settings = settings
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.acceptance = AcceptanceEstimate(gamma_max, settings.acceptance)
+        self.cost = StepCostModel(settings.cost)
+        self.residency_ctl = ResidencyController(settings.residency)
+        top = max_batch or 4 * self.buckets[-1]
+        arm0 = min(settings.initial_gamma, gamma_max)
+        lows = (1,) + tuple(b + 1 for b in self.buckets[:-1])
+        highs = self.buckets[:-1] + (max(top, self.buckets[-1]),)
+        self.timelines = [_Timeline(lo, hi, arm0, gamma_max + 1, settings.bin_base) for lo, hi in zip(lows, highs)]
+        self.updates = 0
+        self.switches = 0  # table changes (bin decisions that changed a bucket's γ)
+
+    # --- select --------------------------------------------------------------------------------
+    def gamma_for(self, batch_size: int) -> int:
+        return self.timelines[bucket_index(self.buckets, batch_size)].arm
+
+    def residency_for(self, worker_id: str) -> str:
+        return self.residency_ctl.directive(worker_id) if self.settings.offload else "resident"
+
+    def residency(self) -> dict[str, str]:
+        if not self.settings.offload:
+            return {}
+        return {wid: w.residency for wid, w in self.residency_ctl.workers.items()}
+
+    # --- predictions ---------------------------------------------------------------------------
+    def losses(self, bucket: int) -> np.ndarray:
+        """Predicted ms per emitted token of every arm in one bucket, shape [γmax+1]."""
+        tl = self.timelines[bucket]
+        sizes, weights = tl.support()
+        step = weights @ self.cost.step_ms(sizes, self.gamma_max) + tl.catchup_per_step()  # [G+1]
+        tokens = float(weights @ sizes) * np.asarray(self.acceptance.expected_tokens())  # [G+1]
+        return step / tokens
+
+    def gain(self, batch_size: int) -> float:
+        """Predicted fractional speed-up of the best γ over γ=0 at this batch size."""
+        if not self.cost.ready:
+            return 0.0
+        loss = self.losses(bucket_index(self.buckets, batch_size))
+        return float(max(0.0, 1.0 - loss.min() / loss[0]))
+
+    # --- update --------------------------------------------------------------------------------
+    def update(self, stats: StepStats) -> None:
+        b, g = stats.batch_size, stats.gamma
+        if b <= 0 or not 0 <= g <= self.gamma_max or not (stats.verify_ms >= 0 and stats.draft_ms >= 0):
+            return
+        self.updates += 1
+        if g > 0 and stats.accepted_per_position:
+            self.acceptance.observe(b, g, stats.accepted_per_position)
+        if stats.verify_ms > 0:  # verify_ms is the decode pass alone; prefill time is in step_ms only
+            self.cost.observe(b, g, stats.draft_ms, stats.verify_ms)
+        if stats.catchup_tokens > 0:
+            self.cost.observe_catchup(stats.catchup_tokens, stats.catchup_ms)
+        tl = self.timelines[bucket_index(self.buckets, b)]
+        tl.observe(b, g, stats.catchup_ms)
+        tl.steps += 1
+        tl.plays[g] += 1
+        tl.last_played[g] = tl.steps
+        if g == tl.arm:
+            tl.bin_ms += stats.draft_ms + stats.verify_ms + stats.catchup_ms
+            tl.bin_tokens += max(stats.emitted_tokens, 1)
+        tl.steps_left -= 1
+        if tl.steps_left <= 0:
+            self._end_bin(tl, bucket_index(self.buckets, b))
+        if self.settings.offload:
+            self.residency_ctl.observe(stats, self.gamma_for, self.gain, self.cost.catchup_ms_per_token())
+
+    def _end_bin(self, tl: _Timeline, bucket: int) -> None:
+        s = self.settings
+        old = tl.arm
+        if not self.cost.ready:
+            tl.steps_left = s.bin_base
+            return
+        loss = self.losses(bucket)
+        if not tl.probing and tl.bin_tokens > 0 and tl.predicted > 0:
+            observed = tl.bin_ms / tl.bin_tokens
+            if abs(observed / tl.predicted - 1.0) > s.change_tolerance:
+                tl.block, tl.bin_index = 0, 0  # the world moved: explore again from the start
+        tl.exploit_arm = self._exploit_choice(tl, loss)
+        probe = self._probe_choice(tl, loss)
+        if probe is not None:
+            tl.arm, tl.probing, tl.steps_left = probe, True, s.bin_base
+        else:
+            tl.arm, tl.probing = tl.exploit_arm, False
+            tl.steps_left = min(s.bin_max, s.bin_base << min(tl.block, 20))
+        tl.bin_index += 1
+        if tl.bin_index >= s.bins_per_block:
+            tl.block, tl.bin_index = tl.block + 1, 0
+        tl.bin_ms = tl.bin_tokens = 0.0
+        tl.predicted = float(loss[tl.arm])
+        if tl.arm != old:
+            self.switches += 1
+
+    def _exploit_choice(self, tl: _Timeline, loss: np.ndarray) -> int:
+        s = self.settings
+        current = tl.exploit_arm
+        best = int(np.argmin(loss))
+        cost = loss[best] * (1.0 + s.switch_margin)
+        if current == 0 and best > 0:
+            # Turning speculation on costs a draft catch-up; amortise it over the next bin.
+            sizes, weights = tl.support()
+            tokens = min(s.bin_max, s.bin_base << min(tl.block, 20)) * float(weights @ sizes)
+            tokens *= self.acceptance.expected_tokens()[best]
+            cost += self.cost.catchup_ms_per_event() / max(tokens, 1.0)
+        return best if cost < loss[current] else current
+
+    def _probe_choice(self, tl: _Timeline, loss: np.ndarray) -> int | None:
+        s = self.settings
+        base = tl.exploit_arm
+        eps = max(s.epsilon_min, s.epsilon0 / (1 + tl.block))
+        uncertain = [a for a in range(self.gamma_max + 1) if a != base
+                     and (tl.plays[a] < s.min_plays or tl.steps - tl.last_played[a] > s.stale_steps)
+                     and loss[a] <= loss[base] * (1.0 + s.probe_margin)]
+        if uncertain:
+            arm = min(uncertain, key=lambda a: loss[a])
+        else:
+            near = [a for a in (base - 1, base + 1) if 0 <= a <= self.gamma_max]
+            if not near:
+                return None
+            arm = min(near, key=lambda a: loss[a])
+            regret = loss[arm] / loss[base] - 1.0
+            eps = s.epsilon_min * min(1.0, 0.05 / max(regret, 1e-9))  # cheap probes more often
+        return arm if self.rng.random() < eps else None
+
+    # --- persistence ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        for t in self.timelines:
+            t.normalise()
+        return {
+            "updates": self.updates, "switches": self.switches,
+            "acceptance": self.acceptance.state_dict(), "cost": self.cost.state_dict(),
+            "residency": self.residency_ctl.state_dict(),
+            "timelines": [{"arm": t.arm, "exploit_arm": t.exploit_arm, "block": t.block, "bin_index": t.bin_index,
+                           "steps": t.steps, "plays": t.plays, "last_played": t.last_played,
+                           "catchup": t.catchup, "recent_plays": t.recent_plays, "hist": t.hist.tolist()} for t in self.timelines],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.updates = int(state.get("updates", 0))
+        self.switches = int(state.get("switches", 0))
+        self.rng = random.Random(self.seed * 1_000_003 + self.updates)  # fresh but reproducible stream
+        self.acceptance.load_state_dict(state.get("acceptance", {}))
+        self.cost.load_state_dict(state.get("cost", {}))
+        self.residency_ctl.load_state_dict(state.get("residency", {}))
+        rows = state.get("timelines", [])
+        if len(rows) != len(self.timelines):
+            return  # bucket layout changed: keep the learned models, restart the schedules
+        arms = self.gamma_max + 1
+        for tl, row in zip(self.timelines, rows):
+            if len(row.get("plays", ())) != arms or len(row.get("hist", ())) != len(tl.hist):
+                continue
+            tl.arm = min(int(row["arm"]), self.gamma_max)
+            tl.exploit_arm = min(int(row["exploit_arm"]), self.gamma_max)
+            tl.block, tl.bin_index, tl.steps = int(row["block"]), int(row["bin_index"]), int(row["steps"])
+            tl.plays = [int(x) for x in row["plays"]]
+            tl.last_played = [int(x) for x in row["last_played"]]
+            tl.catchup = [float(x) for x in row["catchup"]]
+            tl.recent_plays = [float(x) for x in row.get("recent_plays", [0.0] * arms)]
+            tl.hist = np.asarray(row["hist"], dtype=float)

@@ -1,0 +1,98 @@
+"""Draft residency per worker: offload under sustained memory pressure, reload when it pays.
+
+Pressure of a step = (requests waiting) and (KV used / KV total >= kv_full_fraction); each
+worker keeps an exponential average p of it. With hysteresis and a minimum dwell:
+
+    offload  if resident  and p >= offload_above and γ wanted at its batch size == 0
+    reload   if offloaded and p <= reload_below  and used KV fits in reload_fit · resident pool
+             and gain · horizon_ms > reload_cost_ms + catch-up ms of its live tokens
+
+where gain = 1 − L(γ*)/L(0) is the policy's predicted speed-up of speculation at the worker's
+batch size. Both moves wait ``min_dwell_steps`` after the previous one, so it cannot flap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from nightjar.messages import StepStats
+from planner_svc.policies.base import OFFLOADED, RESIDENT
+
+
+@dataclass(frozen=True)
+class ResidencySettings:
+    kv_full_fraction: float = 0.9
+    pressure_smoothing: float = 0.02  # EMA weight per step: pressure must last ~1/this steps
+    offload_above: float = 0.8
+    reload_below: float = 0.2
+    min_dwell_steps: int = 300
+    reload_fit: float = 0.85  # used KV must fit in this share of the resident pool to reload
+    reload_cost_ms: float = 150.0  # copy-back time of the draft, before measurements say otherwise
+    gain_horizon_ms: float = 5000.0  # how long a reload is expected to keep paying
+    block_tokens: int = 16  # tokens per KV block (to turn used blocks into catch-up tokens)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.kv_full_fraction <= 1:
+            raise ValueError(f"kv_full_fraction must be in (0, 1], got {self.kv_full_fraction}")
+        if not 0 < self.pressure_smoothing <= 1:
+            raise ValueError(f"pressure_smoothing must be in (0, 1], got {self.pressure_smoothing}")
+        if not 0 <= self.reload_below < self.offload_above <= 1:
+            raise ValueError("need 0 <= reload_below < offload_above <= 1 (the hysteresis band)")
+        if self.min_dwell_steps < 0 or self.block_tokens < 1:
+            raise ValueError("min_dwell_steps must be >= 0 and block_tokens >= 1")
+
+
+@dataclass
+class _WorkerState:
+    residency: str = RESIDENT
+    pressure: float = 0.0
+    steps_since_change: int = 1 << 30
+    resident_kv_total: int = 0  # KV blocks the worker had while the draft was resident
+    offloads: int = 0
+    reloads: int = 0
+
+
+@dataclass
+class ResidencyController:
+    settings: ResidencySettings = field(default_factory=ResidencySettings)
+    workers: dict[str, _WorkerState] = field(default_factory=dict)
+
+    def directive(self, worker_id: str) -> str:
+        state = self.workers.get(worker_id)
+        return state.residency if state else RESIDENT
+
+    def observe(self, stats: StepStats, gamma_wanted: Callable[[int], int],
+                gain: Callable[[int], float], catchup_ms_per_token: float) -> None:
+        s = self.settings
+        w = self.workers.setdefault(stats.worker_id, _WorkerState())
+        total = stats.kv_blocks_used + stats.kv_blocks_free
+        full = total > 0 and stats.kv_blocks_used >= s.kv_full_fraction * total
+        w.pressure += s.pressure_smoothing * (float(full and stats.waiting > 0) - w.pressure)
+        w.steps_since_change += 1
+        if stats.draft_residency == RESIDENT and total > 0:
+            w.resident_kv_total = total
+        if w.steps_since_change < s.min_dwell_steps:
+            return
+        if w.residency == RESIDENT:
+            if w.pressure >= s.offload_above and gamma_wanted(stats.batch_size) == 0:
+                w.residency, w.steps_since_change = OFFLOADED, 0
+                w.offloads += 1
+            return
+        pool = w.resident_kv_total or total // 2
+        if w.pressure > s.reload_below or stats.kv_blocks_used > s.reload_fit * pool:
+            return
+        catchup_ms = catchup_ms_per_token * stats.kv_blocks_used * s.block_tokens
+        if gain(stats.batch_size) * s.gain_horizon_ms > s.reload_cost_ms + catchup_ms:
+            w.residency, w.steps_since_change = RESIDENT, 0
+            w.reloads += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {wid: [w.residency, w.pressure, min(w.steps_since_change, 1 << 30), w.resident_kv_total,
+                      w.offloads, w.reloads] for wid, w in self.workers.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for wid, row in state.items():
+            if isinstance(row, list) and len(row) == 6 and row[0] in (RESIDENT, OFFLOADED):
+                self.workers[str(wid)] = _WorkerState(str(row[0]), float(row[1]), int(row[2]), int(row[3]),
+                                                      int(row[4]), int(row[5]))

@@ -1,0 +1,154 @@
+"""A fitted step-time model t(B, γ) = γ·d(B) + v(B·(γ+1)), learned online from StepStats.
+
+The verify pass costs v(n) for n = B·(γ+1) tokens (roofline: flat while memory-bound, linear
+once compute-bound), and the draft costs d(B) per pass, γ passes a step. Both are learned as
+running means per n (per B for the draft) with a capped weight, i.e. a mean that turns into an
+exponential average of the last ``cap`` observations, so old data decays as new data arrives.
+Between observed points the model interpolates linearly; above the largest it extrapolates
+with the last slope clamped to [0, v(n_max)/n_max] (flat = still memory-bound, proportional =
+fully compute-bound, the two roofline limits); below the smallest it holds the smallest. Outside
+the batch sizes the draft was measured at, d(B) follows the shape of v: d(B₀)·v(B)/v(B₀).
+
+So a γ=0 step at B=32 (n = 32) predicts the verify cost of γ=3 at B=8 (n = 32): one
+observation teaches every arm with the same token count. No offline profiling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepCostSettings:
+    max_tokens: int = 2048  # largest n = B·(γ+1) tracked; beyond it, the last cell
+    weight_cap: float = 64.0  # running mean becomes an EMA over ~this many observations per cell
+    draft_prior_ratio: float = 0.25  # d(B) ≈ this · v(B) until a draft pass has been observed
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 2:
+            raise ValueError(f"max_tokens must be >= 2, got {self.max_tokens}")
+        if not self.weight_cap >= 1:
+            raise ValueError(f"weight_cap must be >= 1, got {self.weight_cap}")
+        if not self.draft_prior_ratio > 0:
+            raise ValueError(f"draft_prior_ratio must be > 0, got {self.draft_prior_ratio}")
+
+
+class _Curve:
+    """Running means at integer x with capped weight, and the roofline interpolation."""
+
+    def __init__(self, size: int, cap: float) -> None:
+        self.mean = np.zeros(size + 1)
+        self.weight = np.zeros(size + 1)
+        self.cap = cap
+        self._xp: np.ndarray | None = None
+
+    def observe(self, x: int, value: float) -> None:
+        x = min(max(x, 1), len(self.mean) - 1)
+        w = min(self.weight[x] + 1.0, self.cap)
+        if self.weight[x] == 0:
+            self._xp = None
+        self.weight[x] = w
+        self.mean[x] += (value - self.mean[x]) / w
+
+    @property
+    def empty(self) -> bool:
+        return not self.weight.any()
+
+    def bounds(self) -> tuple[int, int]:
+        xs = np.flatnonzero(self.weight)
+        return int(xs[0]), int(xs[-1])
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        if self._xp is None:
+            self._xp = np.flatnonzero(self.weight)
+        xp = self._xp
+        if len(xp) == 0:
+            raise ValueError("no observations yet")
+        fp = self.mean[xp]
+        out = np.interp(x, xp, fp)
+        top_x, top_v = xp[-1], fp[-1]
+        if len(xp) >= 2:
+            # Slope over the upper half of the observed range, so one noisy cell does not set it.
+            lo = xp[np.searchsorted(xp, top_x // 2, side="left")] if top_x >= 2 else xp[0]
+            lo = lo if lo < top_x else xp[-2]
+            slope = (top_v - self.mean[lo]) / (top_x - lo)
+        else:
+            slope = top_v / top_x
+        slope = min(max(slope, 0.0), top_v / top_x)
+        above = x > top_x
+        if np.any(above):
+            out = np.where(above, top_v + slope * (x - top_x), out)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        idx = np.flatnonzero(self.weight)
+        return {"x": idx.tolist(), "mean": self.mean[idx].tolist(), "weight": self.weight[idx].tolist()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        xs = [int(x) for x in state.get("x", ())]
+        if xs and max(xs) < len(self.mean):
+            self.mean[:] = 0
+            self.weight[:] = 0
+            self.mean[xs] = state["mean"]
+            self.weight[xs] = state["weight"]
+            self._xp = None
+
+
+class StepCostModel:
+    def __init__(self, settings: StepCostSettings = StepCostSettings()) -> None:
+        self.settings = settings
+        self.verify = _Curve(settings.max_tokens, settings.weight_cap)
+        self.draft = _Curve(settings.max_tokens, settings.weight_cap)
+        # catch-up (switching) cost per event, as decayed sums
+        self.catchup_ms_sum = 0.0
+        self.catchup_tokens_sum = 0.0
+        self.catchup_events = 0.0
+
+    def observe(self, batch_size: int, gamma: int, draft_ms: float, verify_ms: float) -> None:
+        self.verify.observe(batch_size * (gamma + 1), verify_ms)
+        if gamma > 0:
+            self.draft.observe(batch_size, draft_ms / gamma)
+
+    def observe_catchup(self, tokens: int, ms: float) -> None:
+        decay = 0.95  # switching costs drift with context length; keep ~20 events
+        self.catchup_ms_sum = self.catchup_ms_sum * decay + ms
+        self.catchup_tokens_sum = self.catchup_tokens_sum * decay + tokens
+        self.catchup_events = self.catchup_events * decay + 1
+
+    @property
+    def ready(self) -> bool:
+        return not self.verify.empty
+
+    def step_ms(self, batch_sizes: np.ndarray, gamma_max: int) -> np.ndarray:
+        """Predicted draft + verify ms, shape [len(batch_sizes), gamma_max + 1]."""
+        b = np.asarray(batch_sizes, dtype=float)[:, None]  # [k, 1]
+        g = np.arange(gamma_max + 1, dtype=float)[None, :]  # [1, G+1]
+        verify = self.verify.predict(b * (g + 1))  # [k, G+1]
+        if self.draft.empty:
+            per_pass = self.settings.draft_prior_ratio * self.verify.predict(b)  # [k, 1]
+        else:
+            # Outside the batch sizes the draft was seen at, scale its nearest measurement by the
+            # target's curve: both are the same roofline shape, only the constant differs.
+            lo, hi = self.draft.bounds()
+            inside = np.clip(b, lo, hi)
+            per_pass = self.draft.predict(inside) * self.verify.predict(b) / np.maximum(self.verify.predict(inside), 1e-9)
+        return verify + g * per_pass
+
+    def catchup_ms_per_event(self) -> float:
+        return self.catchup_ms_sum / self.catchup_events if self.catchup_events else 0.0
+
+    def catchup_ms_per_token(self) -> float:
+        return self.catchup_ms_sum / self.catchup_tokens_sum if self.catchup_tokens_sum else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"verify": self.verify.state_dict(), "draft": self.draft.state_dict(),
+                "catchup": [self.catchup_ms_sum, self.catchup_tokens_sum, self.catchup_events]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.verify.load_state_dict(state.get("verify", {}))
+        self.draft.load_state_dict(state.get("draft", {}))
+        c = state.get("catchup", [0.0, 0.0, 0.0])
+        self.catchup_ms_sum, self.catchup_tokens_sum, self.catchup_events = (float(x) for x in c)

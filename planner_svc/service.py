@@ -1,0 +1,166 @@
+"""The planner's loop: worker StepStats in (consumer group), versioned Policy out (SET + PUBLISH).
+
+    read a batch of stats (XREADGROUP, own pending entries first after a restart)
+    → policy.update(each) → XACK → publish if the table/residency changed or ttl/3 passed
+    → save state (msgpack) to keys.planner_state now and then
+
+A bad entry is logged and acknowledged, never retried forever. The version only grows: a
+restarted planner starts above both its saved version and the one currently published. It
+never sits on a worker's hot path: workers look γ up in the table they already hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import msgpack
+from redis.exceptions import RedisError, ResponseError
+
+from nightjar.keys import Keys
+from nightjar.messages import MessageError, Policy, StepStats
+from planner_svc.config import PlannerConfig
+from planner_svc.policies import GammaPolicy, make_policy
+
+log = logging.getLogger("planner")
+STATE_FORMAT = 1
+STATS_FIELD = b"s"  # worker.service writes XADD keys.stats {b"s": StepStats.encode()}
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class PlannerService:
+    def __init__(self, config: PlannerConfig, redis: Any) -> None:
+        self.cfg = config
+        self.redis = redis
+        self.keys = Keys(config.key_prefix)
+        self.policy: GammaPolicy = make_policy(config.policy, gamma_max=config.gamma_max, seed=config.seed,
+                                               buckets=config.buckets)
+        self.version = 0
+        self.published: tuple[tuple[int, ...], dict[str, str]] | None = None
+        self.published_at = 0.0
+        self.published_policy: Policy | None = None
+        self.saved_at = 0.0
+        self.processed = 0
+        self.rejected = 0
+        self._pending_first = True  # after a restart, re-read what we took but never acknowledged
+
+    async def start(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.keys.stats, self.keys.planner_group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        await self._load_state()
+
+    async def _load_state(self) -> None:
+        raw = await self.redis.get(self.keys.planner_state)
+        current = await self.redis.get(self.keys.policy)
+        if current:
+            try:
+                self.version = max(self.version, Policy.decode(current).version)
+            except MessageError:
+                log.warning("the published policy is unreadable; it will be replaced")
+        if not raw:
+            return
+        try:
+            state = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_ext_len=0)
+            self.version = max(self.version, int(state["version"]))
+            if (state.get("format") == STATE_FORMAT and state.get("policy") == self.cfg.policy
+                    and state.get("gamma_max") == self.cfg.gamma_max
+                    and list(state.get("buckets", ())) == list(self.cfg.buckets)):
+                self.policy.load_state_dict(state["state"])
+                log.info("resumed %s from saved state (version %d)", self.cfg.policy, self.version)
+            else:
+                log.info("saved state is for another policy/config; starting fresh at version %d", self.version)
+        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+            log.warning("saved planner state unreadable (%s); starting fresh", exc)
+
+    async def save_state(self) -> None:
+        blob = msgpack.packb({"format": STATE_FORMAT, "version": self.version, "policy": self.cfg.policy,
+                              "gamma_max": self.cfg.gamma_max, "buckets": list(self.cfg.buckets),
+                              "saved_unix_ms": now_ms(), "state": self.policy.state_dict()}, use_bin_type=True)
+        await self.redis.set(self.keys.planner_state, blob)
+        self.saved_at = time.monotonic()
+
+    def current_policy(self) -> Policy:
+        return Policy(version=self.version, unix_ms=now_ms(), ttl_s=self.cfg.ttl_s,
+                      bucket_upper_bounds=self.policy.buckets, gamma_by_bucket=self.policy.table(),
+                      residency=self.policy.residency(), name=self.policy.name)
+
+    async def publish(self, force: bool = False) -> bool:
+        """SET + PUBLISH a new version if the decision changed or a refresh is due."""
+        decision = (self.policy.table(), self.policy.residency())
+        changed = decision != self.published
+        due = time.monotonic() - self.published_at >= self.cfg.republish_s
+        if not (force or due or changed):
+            return False
+        self.version += 1
+        policy = self.current_policy()
+        blob = policy.encode()
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(self.keys.policy, blob)
+            pipe.publish(self.keys.policy_channel, blob)
+            await pipe.execute()
+        self.published, self.published_at = decision, time.monotonic()
+        self.published_policy = policy
+        try:
+            from nightjar import metrics
+
+            metrics.POLICY_VERSION.set(self.version)
+        except ImportError:  # pragma: no cover - metrics is part of the package
+            pass
+        if changed:
+            log.debug("policy v%d: %s %s", self.version, decision[0], decision[1])
+        # No state save here: a restarted planner starts above the published version anyway.
+        return True
+
+    def _apply(self, fields: dict) -> None:
+        try:
+            stats = StepStats.decode(fields[STATS_FIELD])
+        except (KeyError, MessageError) as exc:
+            self.rejected += 1
+            log.warning("bad stats entry (%s); acknowledged and skipped", exc)
+            return
+        self.policy.update(stats)
+        self.processed += 1
+
+    async def step_once(self, block_ms: int | None = None) -> int:
+        """Read one batch of stats, learn from it, acknowledge it, publish if due. Returns entries read."""
+        start = "0" if self._pending_first else ">"
+        block = None if self._pending_first else (self.cfg.read_block_ms if block_ms is None else block_ms)
+        reply = await self.redis.xreadgroup(self.keys.planner_group, self.cfg.consumer, {self.keys.stats: start},
+                                            count=self.cfg.read_count, block=block)
+        entries = reply[0][1] if reply else []
+        if self._pending_first and not entries:
+            self._pending_first = False
+        ids = []
+        for entry_id, fields in entries:
+            ids.append(entry_id)
+            if fields:  # a pending entry deleted by MAXLEN trimming comes back with no fields
+                self._apply(fields)
+        if ids:
+            await self.redis.xack(self.keys.stats, self.keys.planner_group, *ids)
+        await self.publish()
+        if time.monotonic() - self.saved_at >= self.cfg.save_interval_s and entries:
+            await self.save_state()
+        return len(entries)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.start()
+        await self.publish(force=True)
+        log.info("planner up: policy %s, version %d, buckets %s", self.policy.name, self.version, self.cfg.buckets)
+        while not stop.is_set():
+            try:
+                await self.step_once()
+            except (RedisError, OSError) as exc:
+                log.warning("redis error (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+        try:
+            await self.save_state()
+        except (RedisError, OSError):
+            log.warning("could not save state on the way out")

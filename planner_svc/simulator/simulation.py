@@ -1,0 +1,140 @@
+"""The event loop: a trace, a cost surface, an acceptance process, N workers, one policy.
+
+Workers advance in clock order (the one furthest behind steps next); a request joins the shared
+FIFO queue when the stepping worker's clock passes its arrival, and the first worker with a
+free slot and KV room admits it (the scheduler's "most free capacity" in pull form). An idle
+worker jumps to the next arrival.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from planner_svc.policies.base import GammaPolicy
+from planner_svc.simulator.acceptance_process import DEFAULT_ALPHAS, AcceptanceProcess
+from planner_svc.simulator.cost_surface import CostSurface
+from planner_svc.simulator.sim_worker import SimWorker
+from planner_svc.simulator.trace import Trace
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    gamma_max: int = 4
+    max_batch: int = 64
+    workers: int = 1
+    kv_tokens: int = 16384  # target KV pool per worker with the draft resident
+    draft_kv_share: float = 0.6  # offloading the draft grows the pool by this share (8B/1B on 24 GB)
+    block_tokens: int = 16
+    offload_ms: float = 80.0
+    reload_ms: float = 80.0
+    noise: float = 0.0  # step times × U(1 − noise, 1 + noise)
+    alphas: tuple[float, ...] = DEFAULT_ALPHAS  # used unless the cost surface measured acceptance
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.gamma_max <= 16 or self.max_batch < 1 or self.workers < 1:
+            raise ValueError("need 0 <= gamma_max <= 16, max_batch >= 1, workers >= 1")
+        if self.kv_tokens < 1024 or self.draft_kv_share < 0 or not 0 <= self.noise < 1:
+            raise ValueError("need kv_tokens >= 1024 (one full context), draft_kv_share >= 0, 0 <= noise < 1")
+        if self.offload_ms < 0 or self.reload_ms < 0 or self.block_tokens < 1:
+            raise ValueError("offload_ms, reload_ms must be >= 0 and block_tokens >= 1")
+
+
+@dataclass
+class SimResult:
+    trace: str
+    policy: str
+    requests: int
+    output_tokens: int
+    makespan_ms: float
+    steps: int
+    switches: int
+    offloads: int
+    reloads: int
+    latency_ms: np.ndarray = field(repr=False)
+    ttft_ms: np.ndarray = field(repr=False)
+
+    @property
+    def throughput_tps(self) -> float:
+        return self.output_tokens / (self.makespan_ms / 1000.0)
+
+    @property
+    def mean_latency_ms(self) -> float:
+        return float(self.latency_ms.mean())
+
+    @property
+    def p99_latency_ms(self) -> float:
+        return float(np.percentile(self.latency_ms, 99))
+
+    @property
+    def mean_ttft_ms(self) -> float:
+        return float(self.ttft_ms.mean())
+
+    @property
+    def switches_per_1000_steps(self) -> float:
+        return 1000.0 * self.switches / max(self.steps, 1)
+
+
+def capacity_rps(surface: CostSurface, config: SimConfig, mean_prompt: float, mean_output: float) -> float:
+    """Requests/s one worker sustains at γ = 0 with the draft resident (the load unit of traces)."""
+    batch = int(min(config.max_batch, config.kv_tokens // (mean_prompt + mean_output + config.gamma_max),
+                    surface.max_batch))
+    batch = max(batch, 1)
+    step = surface.step_ms(batch, 0)
+    per_request_ms = mean_output * step / batch + mean_prompt * surface.prefill_ms_per_token
+    return config.workers * 1000.0 / per_request_ms
+
+
+def simulate(trace: Trace, policy: GammaPolicy, surface: CostSurface, config: SimConfig = SimConfig()) -> SimResult:
+    if surface.gamma_max < config.gamma_max or surface.max_batch < config.max_batch:
+        raise ValueError(f"cost surface covers γ<={surface.gamma_max}, B<={surface.max_batch}; "
+                         f"config needs γ<={config.gamma_max}, B<={config.max_batch}")
+    rng = np.random.default_rng(config.seed)
+    acceptance = AcceptanceProcess(surface.acceptance or config.alphas, config.gamma_max)
+    workers = [SimWorker(f"w{i}", surface=surface, acceptance=acceptance, max_batch=config.max_batch,
+                         kv_tokens=config.kv_tokens, draft_kv_share=config.draft_kv_share,
+                         block_tokens=config.block_tokens, offload_ms=config.offload_ms,
+                         reload_ms=config.reload_ms, gamma_max=config.gamma_max) for i in range(config.workers)]
+    arrivals = trace.arrival_ms
+    prompt = trace.prompt_tokens
+    # A request longer than one worker's pool could never be admitted: clip it to fit.
+    output = np.minimum(trace.output_tokens, config.kv_tokens - prompt - config.gamma_max).clip(1)
+    total = len(arrivals)
+    first = np.full(total, np.nan)
+    done = np.full(total, np.nan)
+    queue: deque[int] = deque()
+    nxt = 0
+    for w in workers:
+        w.clock = float(arrivals[0])
+    while True:
+        w = min(workers, key=lambda x: x.clock) if len(workers) > 1 else workers[0]
+        if w.clock == np.inf:
+            break
+        while nxt < total and arrivals[nxt] <= w.clock:
+            queue.append(nxt)
+            nxt += 1
+        if not w.step(queue, prompt, output, policy, rng, config.noise, first, done):
+            if nxt < total:
+                w.clock = max(w.clock, float(arrivals[nxt]))
+            elif queue:
+                w.clock += 1.0  # cannot happen with a sane pool; never spin on the same instant
+            else:
+                w.clock = np.inf  # nothing left for this worker
+    assert not np.isnan(done).any()  # every request finished
+    return SimResult(
+        trace=trace.name, policy=policy.name, requests=total, output_tokens=int(output.sum()),
+        makespan_ms=float(done.max() - arrivals[0]), steps=sum(w.step_no for w in workers),
+        switches=sum(w.switches for w in workers), offloads=sum(w.offloads for w in workers),
+        reloads=sum(w.reloads for w in workers), latency_ms=done - arrivals, ttft_ms=first - arrivals)
+
+
+def trace_for(shape: str, surface: CostSurface, config: SimConfig = SimConfig(), *, requests: int = 2000,
+              seed: int = 0, azure_load: float = 0.8) -> Trace:
+    """A trace whose load is expressed relative to this surface's and config's capacity."""
+    from planner_svc.simulator.trace import make_trace
+
+    return make_trace(shape, lambda p, o: capacity_rps(surface, config, p, o), requests=requests, seed=seed,
+                      azure_load=azure_load)

@@ -1,0 +1,59 @@
+"""``nightjar scheduler``: run the scheduler alone."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from redis.exceptions import RedisError
+
+from nightjar.service_util import add_common_args, connect_redis, env_defaults, install_stop_handlers, run_async, setup_logging
+from scheduler_svc.config import SchedulerConfig
+
+
+def parse_config(argv: list[str]) -> SchedulerConfig:
+    env = env_defaults()
+    p = argparse.ArgumentParser(prog="nightjar scheduler", description="dispatch queued requests to workers")
+    p.add_argument("--consumer", default=None, help="consumer name in the requests group (default: unique per process)")
+    p.add_argument("--max-deliveries", type=int, default=5, help="dead-letter a queue entry delivered more often")
+    p.add_argument("--max-attempts", type=int, default=3, help="fail a request whose workers died this often")
+    p.add_argument("--claim-idle-ms", type=int, default=10_000, help="reclaim entries a dead scheduler left pending this long")
+    add_common_args(p, env)
+    a = p.parse_args(argv)
+    extra = {"consumer": a.consumer} if a.consumer else {}
+    try:
+        return SchedulerConfig(redis_url=a.redis_url, key_prefix=a.key_prefix, max_deliveries=a.max_deliveries,
+                               max_attempts=a.max_attempts, claim_idle_ms=a.claim_idle_ms,
+                               metrics_port=a.metrics_port, log_level=a.log_level, **extra)
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+async def serve(cfg: SchedulerConfig) -> int:
+    from nightjar import metrics
+    from scheduler_svc.scheduler import Scheduler
+
+    metrics.serve(cfg.metrics_port)
+    redis = connect_redis(cfg.redis_url, block_margin_s=cfg.read_block_ms / 1000 + 5.0)
+    stop = asyncio.Event()
+    install_stop_handlers(asyncio.get_running_loop(), lambda _sig: stop.set())
+    while not stop.is_set():  # Redis may not be up yet (compose starts everything at once)
+        try:
+            await Scheduler(cfg, redis).run(stop)
+        except (RedisError, OSError) as exc:
+            logging.getLogger("scheduler").warning("cannot reach Redis (%s); retrying", exc)
+            await asyncio.sleep(1.0)
+    await redis.aclose()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(list(sys.argv[1:] if argv is None else argv))
+    setup_logging(cfg.log_level, "scheduler")
+    return run_async(lambda: serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

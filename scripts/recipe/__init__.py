@@ -1,0 +1,1 @@
+"""The training recipe behind models/tiny-target and models/tiny-draft (see models/README.md)."""

@@ -1,0 +1,124 @@
+"""The whole stack over real gRPC and a real redis-server, on the shipped models:
+client -> gateway -> Redis -> scheduler -> worker -> Redis -> gateway -> client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pipeline_support import (aio_stub, assert_same_greedy, engine_reference, generate, heartbeats, prompt_texts,
+                              start_stack, wait_kv_free)
+from nightjar.v1 import inference_pb2 as pb
+
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server):
+    # fixed:3 without a planner: the worker speculates with γ=3 throughout; output must not change.
+    s = start_stack(redis_server.url, workers=1, planner=False, policy="fixed:3")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def texts():
+    return prompt_texts(64)
+
+
+@pytest.fixture(scope="module")
+def reference(texts):
+    return engine_reference(texts, MAX_TOKENS)
+
+
+async def test_64_concurrent_greedy_streams_match_the_engine(stack, texts, reference):
+    from engine_support import pair, tokenizer
+
+    tok = tokenizer(pair()[0])
+    channel, stub = aio_stub(stack)
+    async with channel:
+        results = await asyncio.gather(*(generate(stub, t, MAX_TOKENS) for t in texts))
+    for text, (toks, out, last) in zip(texts, results):
+        assert_same_greedy(text, toks, reference[text], MAX_TOKENS)
+        assert last.usage.completion_tokens == len(toks) and last.usage.prompt_tokens == len(tok.encode(text))
+        assert last.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)
+        assert out == tok.decode(toks, skip_special_tokens=True)  # the streamed pieces join to the whole text
+        assert 0 < last.ttft_ms <= last.e2e_ms
+
+
+async def test_stop_string_cuts_the_text(stack, texts, reference):
+    from engine_support import pair, tokenizer
+
+    tok = tokenizer(pair()[0])
+    text = next(t for t in texts if len(tok.decode(reference[t])) > 12)
+    full = tok.decode(reference[text], skip_special_tokens=True)
+    stop = full[6:9]  # a stop string that starts after a few characters
+    channel, stub = aio_stub(stack)
+    async with channel:
+        _, out, last = await generate(stub, text, MAX_TOKENS, stop=[stop])
+    assert out == full[: full.find(stop)]
+    assert last.finish_reason == pb.FINISH_REASON_STOP
+
+
+async def test_cancel_and_deadline_free_kv_blocks(stack, texts):
+    baseline = sum(h.kv_blocks_free for h in heartbeats(stack).values())
+    channel, stub = aio_stub(stack)
+    async with channel:
+        call = stub.Generate(pb.GenerateRequest(prompt=texts[0], max_tokens=400, ignore_eos=True))
+        seen = 0
+        async for resp in call:
+            seen += len(resp.token_ids)
+            if seen >= 3:
+                break
+        assert await wait_kv_free(stack, baseline, below=True) < baseline  # it holds blocks now
+        call.cancel()
+        assert await wait_kv_free(stack, baseline) == baseline
+
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await asyncio.wait_for(_deadline_call(stub, texts[1]), 30)
+        assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert await wait_kv_free(stack, baseline) == baseline
+
+
+async def _deadline_call(stub, text):
+    async for _ in stub.Generate(pb.GenerateRequest(prompt=text, max_tokens=400, ignore_eos=True), timeout=1.0):
+        pass
+
+
+async def test_bad_request_gets_its_code_and_a_good_one_beside_it_completes(stack, texts, reference):
+    channel, stub = aio_stub(stack)
+    async with channel:
+        good = asyncio.create_task(generate(stub, texts[2], MAX_TOKENS))
+        for bad, field in ((dict(temperature=5.0), "temperature"), (dict(top_p=1.5), "top_p"),
+                           (dict(stop=["x"] * 9), "stop"), (dict(max_tokens=100_000), "max_tokens")):
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await generate(stub, texts[3], **{"max_tokens": MAX_TOKENS, **bad})
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert exc.value.details().startswith(field)
+        with pytest.raises(grpc.aio.AioRpcError) as exc:  # too long for the context: named too
+            await generate(stub, "word " * 5000, MAX_TOKENS)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and exc.value.details().startswith("prompt")
+        toks, _, _ = await good
+    assert_same_greedy(texts[2], toks, reference[texts[2]], MAX_TOKENS)
+
+
+async def test_health_reflection_and_model_info(stack):
+    channel, stub = aio_stub(stack)
+    async with channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "nightjar.v1.InferenceService"):
+            status = (await health.Check(health_pb2.HealthCheckRequest(service=service))).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert info.model == stack.cfg.target_path.name and info.max_context_tokens > 0 and info.vocab_size > 0
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        names = []
+        async for resp in refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])):
+            names += [s.name for s in resp.list_services_response.service]
+        assert "nightjar.v1.InferenceService" in names and "grpc.health.v1.Health" in names

@@ -1,0 +1,66 @@
+"""``nightjar worker``: run one worker (engine + its Redis service) alone."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from nightjar import paths
+from nightjar.service_util import add_common_args, connect_redis, env_defaults, install_stop_handlers, run_async, setup_logging
+from worker.service_config import WorkerServiceConfig
+
+
+def parse_config(argv: list[str]) -> WorkerServiceConfig:
+    env = env_defaults()
+    p = argparse.ArgumentParser(prog="nightjar worker", description="one inference worker")
+    p.add_argument("--worker-id", default=None, help="unique id (default: host-pid-random)")
+    p.add_argument("--target", type=Path, default=paths.DEFAULT_TARGET, help="target model folder")
+    p.add_argument("--draft", type=Path, default=paths.DEFAULT_DRAFT, help="draft model folder")
+    p.add_argument("--no-draft", action="store_true", help="no draft model: plain decoding")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
+    p.add_argument("--kv-budget-bytes", type=int, default=None, help="KV cache budget (default: the engine's)")
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--gamma-max", type=int, default=6)
+    p.add_argument("--default-gamma", type=int, default=0, help="γ while no fresh planner policy is known")
+    p.add_argument("--policy-ttl-s", type=float, default=10.0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_common_args(p, env)
+    a = p.parse_args(argv)
+    extra = {"worker_id": a.worker_id} if a.worker_id else {}
+    try:
+        return WorkerServiceConfig(
+            redis_url=a.redis_url, key_prefix=a.key_prefix, target_path=a.target,
+            draft_path=None if a.no_draft else a.draft, device=a.device, dtype=a.dtype,
+            kv_budget_bytes=a.kv_budget_bytes, max_running=a.max_running, gamma_max=a.gamma_max,
+            default_gamma=a.default_gamma, policy_ttl_s=a.policy_ttl_s, num_threads=a.threads,
+            metrics_port=a.metrics_port, log_level=a.log_level, **extra)
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+async def serve(cfg: WorkerServiceConfig) -> int:
+    from nightjar import metrics
+    from worker.service import WorkerService
+
+    metrics.serve(cfg.metrics_port)
+    redis = connect_redis(cfg.redis_url, block_margin_s=6.0)
+    stop = asyncio.Event()
+    install_stop_handlers(asyncio.get_running_loop(), lambda _sig: stop.set())
+    try:
+        await WorkerService(cfg, redis).run(stop)
+    finally:
+        await redis.aclose()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(list(sys.argv[1:] if argv is None else argv))
+    setup_logging(cfg.log_level, f"worker[{cfg.worker_id}]")
+    return run_async(lambda: serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

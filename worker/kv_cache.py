@@ -1,0 +1,111 @@
+"""The paged KV pool of one model and the per-forward addressing into it.
+
+A forward pass feeds each sequence a run of new tokens (a prefill chunk, one decode token, or
+γ+1 verify tokens). ``PagedBatch`` turns (start position, run length, block table) per sequence
+into the index tensors every layer reuses: where to write the new K/V (slot mapping), which
+blocks to gather for attention, and the causal mask. It is built once per forward, so the
+per-layer work is a fixed handful of batched tensor ops with no Python loop over sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCache:
+    """One preallocated pool of fixed-size blocks for all layers of one model.
+
+    The pool tensors can be reallocated larger or smaller (``resize``) with a block migration
+    map, so a memory manager can grow the pool into freed space or shrink it back.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
+                 dtype: torch.dtype, device: str | torch.device) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # k: [num_layers, num_blocks, block_size, n_kv_heads, head_dim]; v the same
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def resize(self, num_blocks: int, moves: dict[int, int] | None = None) -> None:
+        """Reallocate to ``num_blocks``; block ``src`` is copied to ``dst`` for each move, and
+        blocks below min(old, new) keep their index. The caller updates block tables."""
+        old_k, old_v = self.k, self.v
+        keep = min(num_blocks, old_k.shape[1])
+        shape = (self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k[:, :keep] = old_k[:, :keep]
+        self.v[:, :keep] = old_v[:, :keep]
+        for src, dst in (moves or {}).items():
+            self.k[:, dst] = old_k[:, src]
+            self.v[:, dst] = old_v[:, src]
+
+
+@dataclass
+class PagedBatch:
+    """Addressing for one forward pass over B sequences with runs of q_len_b new tokens.
+
+    N = sum(q_len_b) rows in the flat token order; Q = max q_len_b; T = max blocks * block_size.
+    """
+
+    positions: torch.Tensor  # [N] absolute position of each new token
+    slots: torch.Tensor  # [N] flat slot (block * block_size + offset) to write its K/V
+    gather: torch.Tensor  # [B * max_blocks] block ids to gather (padded with block 0, masked)
+    mask: torch.Tensor  # [B, 1, Q, T] bool, True where the query may attend to the key
+    pad_index: torch.Tensor | None  # [N] row of each token in the padded [B * Q] layout; None if uniform
+    batch: int
+    q_max: int
+    t_max: int
+
+
+def build_paged_batch(starts: list[int], q_lens: list[int], tables: list[list[int]], block_size: int,
+                      device: torch.device) -> PagedBatch:
+    """starts[b]: position of the first new token of sequence b (= tokens already in KV)."""
+    b = len(starts)
+    q_max = max(q_lens)
+    max_blocks = max((s + q + block_size - 1) // block_size for s, q in zip(starts, q_lens))
+    table = torch.zeros(b, max_blocks, dtype=torch.long)
+    for i, t in enumerate(tables):
+        n = min(len(t), max_blocks)
+        table[i, :n] = torch.tensor(t[:n], dtype=torch.long)
+    uniform = all(q == q_max for q in q_lens)
+    start_t = torch.tensor(starts, dtype=torch.long)
+    # qpos: [B, Q] position of each padded query row (pad rows repeat the last real one)
+    offs = torch.arange(q_max).unsqueeze(0)
+    if uniform:
+        qpos = start_t.unsqueeze(1) + offs
+        positions = qpos.reshape(-1)
+        seq_of = torch.arange(b).repeat_interleave(q_max)
+        pad_index = None
+    else:
+        qlen_t = torch.tensor(q_lens, dtype=torch.long)
+        valid = offs < qlen_t.unsqueeze(1)  # [B, Q]
+        qpos = start_t.unsqueeze(1) + torch.minimum(offs, (qlen_t - 1).unsqueeze(1))
+        positions = qpos[valid]
+        seq_of = torch.arange(b).unsqueeze(1).expand(b, q_max)[valid]
+        pad_index = (torch.arange(b).unsqueeze(1) * q_max + offs)[valid]
+    slots = table[seq_of, positions // block_size] * block_size + positions % block_size
+    t_max = max_blocks * block_size
+    mask = (torch.arange(t_max).view(1, 1, t_max) <= qpos.unsqueeze(2)).unsqueeze(1)
+    return PagedBatch(
+        positions=positions.to(device), slots=slots.to(device), gather=table.reshape(-1).to(device),
+        mask=mask.to(device), pad_index=None if pad_index is None else pad_index.to(device),
+        batch=b, q_max=q_max, t_max=t_max,
+    )

@@ -1,0 +1,138 @@
+"""Our own Llama-family forward pass (Llama, Mistral, Qwen2) over a paged KV cache.
+
+No nn.Module tree: on a CPU a tiny model's step is dominated by per-op overhead, so a layer is
+a fixed sequence of ~15 batched tensor ops on fused weights (q|k|v and gate|up are one matmul
+each, RoPE is applied to q and k together), and everything that is the same for all layers
+(positions, slots, gather indices, mask) is computed once per forward in ``PagedBatch``.
+
+Weights (see loader.fused_weights):
+  embed [V, D], norm [D], head [V, D] (the same tensor as embed when tied), and per layer
+  ln1 [D], qkv [(H + 2K) * d, D], qkv_bias [(H + 2K) * d] | None, o [D, H * d], ln2 [D],
+  gate_up [2I, D], down [D, I].
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from worker.kv_cache import KVCache, PagedBatch
+from worker.loader import ModelConfig, fused_weights, load_config, load_state_dict
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """[d/2] inverse frequencies with the config's scaling (same formulas as transformers)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    p = dict(cfg.rope_params)
+    if cfg.rope_type == "linear":
+        return inv / p["factor"]
+    if cfg.rope_type == "llama3":
+        factor, lo, hi = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+        old = p["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device: str | torch.device) -> None:
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.w = weights
+        self.inv_freq = rope_inv_freq(cfg)
+        self._rope_len = 0
+        self._ensure_rope(2048)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "LlamaModel":
+        cfg = load_config(folder)
+        return cls(cfg, fused_weights(cfg, load_state_dict(folder), dtype, device), dtype, device)
+
+    # ------------------------------------------------------------------ weights residency
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every distinct weight tensor (the tied head counted once)."""
+        out = [self.w["embed"], self.w["norm"]]
+        if self.w["head"] is not self.w["embed"]:
+            out.append(self.w["head"])
+        for layer in self.w["layers"]:
+            out.extend(t for t in layer.values() if t is not None)
+        return out
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def to_device(self, device: str | torch.device) -> None:
+        """Move every weight (keeps the embed/head tie); used to offload and reload a draft."""
+        dev = torch.device(device)
+        tied = self.w["head"] is self.w["embed"]
+        self.w["embed"] = self.w["embed"].to(dev)
+        self.w["norm"] = self.w["norm"].to(dev)
+        self.w["head"] = self.w["embed"] if tied else self.w["head"].to(dev)
+        for layer in self.w["layers"]:
+            for k, t in layer.items():
+                if t is not None:
+                    layer[k] = t.to(dev)
+        self.device = dev
+        self._rope_len = 0
+        self._ensure_rope(2048)
+
+    # ------------------------------------------------------------------ forward
+
+    def _ensure_rope(self, n: int) -> None:
+        if n <= self._rope_len:
+            return
+        n = max(n, 2 * self._rope_len)
+        half = self.cfg.head_dim // 2
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)  # [n, d/2]
+        # rotate(x) = x * cos + roll(x, d/2) * sin_signed, roll(x) = [x2, x1] -> sign [-, +]
+        self.cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(self.device, self.dtype)  # [n, d]
+        self.sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(self.device, self.dtype)  # [n, d]
+        self._rope_len = n
+        self._half = half
+
+    def forward(self, input_ids: torch.Tensor, pb: PagedBatch, kv: KVCache, logit_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids: [N] new tokens in flat order; returns float32 logits [R] rows -> [R, V]."""
+        c, w = self.cfg, self.w
+        n = input_ids.shape[0]
+        h_, k_, d = c.num_heads, c.num_kv_heads, c.head_dim
+        b, q, t = pb.batch, pb.q_max, pb.t_max
+        self._ensure_rope(int(pb.positions.max()) + 1)
+        cos = self.cos[pb.positions].unsqueeze(1)  # [N, 1, d]
+        sin = self.sin[pb.positions].unsqueeze(1)
+        eps = c.rms_norm_eps
+        x = w["embed"][input_ids]  # [N, D]
+        for li, lw in enumerate(w["layers"]):
+            hn = F.rms_norm(x, (x.shape[-1],), lw["ln1"], eps)
+            qkv = F.linear(hn, lw["qkv"], lw["qkv_bias"])  # [N, (H + 2K) * d]
+            qk = qkv[:, : (h_ + k_) * d].view(n, h_ + k_, d)
+            qk = qk * cos + torch.roll(qk, self._half, -1) * sin  # RoPE on q and k at once
+            vv = qkv[:, (h_ + k_) * d:].view(n, k_, d)
+            kc, vc = kv.k[li], kv.v[li]  # [num_blocks, block_size, K, d]
+            kc.view(-1, k_, d).index_copy_(0, pb.slots, qk[:, h_:])
+            vc.view(-1, k_, d).index_copy_(0, pb.slots, vv)
+            kg = kc.index_select(0, pb.gather).view(b, t, k_, d).transpose(1, 2)  # [B, K, T, d]
+            vg = vc.index_select(0, pb.gather).view(b, t, k_, d).transpose(1, 2)
+            qq = qk[:, :h_]  # [N, H, d]
+            if pb.pad_index is not None:
+                qq = qq.new_zeros(b * q, h_, d).index_copy_(0, pb.pad_index, qq)
+            qq = qq.view(b, q, h_, d).transpose(1, 2)  # [B, H, Q, d]
+            o = F.scaled_dot_product_attention(qq, kg, vg, attn_mask=pb.mask, enable_gqa=h_ != k_)
+            o = o.transpose(1, 2).reshape(b * q, h_ * d)  # [B * Q, H * d]
+            if pb.pad_index is not None:
+                o = o.index_select(0, pb.pad_index)  # [N, H * d]
+            x = x + F.linear(o, lw["o"])
+            hn = F.rms_norm(x, (x.shape[-1],), lw["ln2"], eps)
+            gu = F.linear(hn, lw["gate_up"])  # [N, 2I]
+            g, u = gu.chunk(2, -1)
+            x = x + F.linear(F.silu(g) * u, lw["down"])
+        x = F.rms_norm(x.index_select(0, logit_rows), (x.shape[-1],), w["norm"], eps)
+        return F.linear(x, w["head"]).float()  # [R, V]

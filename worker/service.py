@@ -1,0 +1,318 @@
+"""The worker service: Redis on one side (asyncio), the engine thread on the other.
+
+- inbox: XREADGROUP on its own inbox stream; a job is acknowledged only once its final chunk
+  is written (a worker killed mid-request leaves it pending; the scheduler re-dispatches it);
+- outputs: every engine step's chunks go out in one pipelined round trip, with the step's
+  stats (capped stream) and the bookkeeping of finished requests;
+- cancels: pub/sub for speed, plus a periodic key check for messages missed while reconnecting;
+- heartbeat: a Heartbeat with a TTL every ``heartbeat_interval_s``; the first is sent only once
+  the models are loaded, so the stack is ready exactly when a worker can take work;
+- policy: worker.policy_view follows the planner; the engine reads γ from it every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
+
+from nightjar import metrics as m
+from nightjar.keys import Keys
+from nightjar.messages import Cancel, Heartbeat, Job, MessageError, OutputChunk
+from nightjar.service_util import now_ms
+from worker.engine_thread import Abort, Add, EngineThread, SetGammaPolicy, SetResidency, Snapshot, StepResult
+from worker.service_config import WorkerServiceConfig
+
+log = logging.getLogger("worker")
+
+# Delete an assignment only if it is still ours: after a false death (a long pause) the
+# scheduler may have given the job to another worker, whose record must survive us.
+_RELEASE_ASSIGNMENT = """
+if redis.call('HGET', KEYS[1], 'worker') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+@dataclass
+class Active:
+    entry_id: bytes
+    job: Job
+    chunks: int = 0
+
+
+class WorkerService:
+    def __init__(self, cfg: WorkerServiceConfig, redis: aioredis.Redis, engine_factory=None) -> None:
+        self.cfg = cfg
+        self.keys = Keys(cfg.key_prefix)
+        self.redis = redis
+        self._factory = engine_factory or self._default_engine
+        self._results: asyncio.Queue[StepResult] = asyncio.Queue()
+        self.engine: EngineThread | None = None
+        self.active: dict[str, Active] = {}  # owned by the event loop
+        self.snapshot = Snapshot()
+        self.started_ms = now_ms()
+        self._policy_version = -1
+        self._accepting = True
+
+    def _default_engine(self):
+        from worker.engine import Engine
+
+        return Engine(self.cfg.engine_config())
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._stop = stop
+        loop = asyncio.get_running_loop()
+        self.engine = EngineThread(self._factory, lambda r: loop.call_soon_threadsafe(self._results.put_nowait, r))
+        self.engine.start()
+        await asyncio.to_thread(self.engine.ready.wait)
+        if self.engine.error is not None:
+            raise RuntimeError(f"the engine failed to start: {self.engine.error}") from self.engine.error
+        self.snapshot = self.engine.snapshot
+        await self._ensure_group()
+        log.info("worker %s ready (model %s, %d KV blocks)", self.cfg.worker_id, self.cfg.model_name, self.snapshot.kv_blocks_total)
+        tasks = [asyncio.create_task(c) for c in (
+            self._inbox_loop(stop), self._output_loop(), self._cancel_listener(), self._cancel_poll(),
+            self._heartbeat_loop(), self._policy_loop(stop))]
+        try:
+            await stop.wait()
+            if self.engine.error is None:
+                await self._drain()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.engine.stop()
+            try:  # leave at once instead of waiting for the heartbeat TTL
+                await self.redis.delete(self.keys.heartbeat(self.cfg.worker_id))
+            except RedisError:
+                pass
+        if self.engine.error is not None:
+            raise RuntimeError(f"the engine thread failed: {self.engine.error}") from self.engine.error
+
+    async def _drain(self) -> None:
+        self._accepting = False
+        deadline = time.monotonic() + self.cfg.drain_grace_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.active:
+            log.warning("stopping with %d requests unfinished; the scheduler re-dispatches them", len(self.active))
+
+    async def _ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.keys.inbox(self.cfg.worker_id), self.keys.worker_group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # ------------------------------------------------------------------ inbox
+
+    async def _inbox_loop(self, stop: asyncio.Event) -> None:
+        inbox, start = self.keys.inbox(self.cfg.worker_id), b"0"  # own pending first (same id restarted)
+        while self._accepting:
+            try:
+                reply = await self.redis.xreadgroup(self.keys.worker_group, self.cfg.worker_id, {inbox: start},
+                                                    count=self.cfg.read_count, block=None if start == b"0" else 1000)
+                entries = reply[0][1] if reply else []
+                if start == b"0":
+                    start = b">"
+                await self._accept(entries)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                # The scheduler thought we were dead and removed our inbox; start a new one.
+                log.warning("inbox was removed (declared dead after a pause?); recreating it")
+                await self._ensure_group()
+            except (RedisError, OSError) as exc:
+                log.warning("inbox: Redis error (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+
+    async def _accept(self, entries) -> None:
+        if not self._accepting:  # draining: leave them pending; the scheduler re-sends them once we are gone
+            return
+        jobs: list[tuple[bytes, Job]] = []
+        pipe = self.redis.pipeline(transaction=False)
+        for entry_id, fields in entries:
+            try:
+                job = Job.decode(fields[b"job"])
+            except (KeyError, MessageError) as exc:
+                log.error("dropping malformed inbox entry %s: %s", entry_id, exc)
+                self._ack(pipe, entry_id)
+                continue
+            if job.request_id in self.active:  # delivered twice: the running copy answers
+                self._ack(pipe, entry_id)
+                continue
+            jobs.append((entry_id, job))
+        cancelled = await self.redis.mget([self.keys.cancel(j.request_id) for _, j in jobs]) if jobs else []
+        now = now_ms()
+        for (entry_id, job), flag in zip(jobs, cancelled):
+            if flag is not None:
+                self._finish(pipe, job.request_id, entry_id, OutputChunk(job.request_id, 0, finish_reason="abort", worker_id=self.cfg.worker_id))
+            elif job.deadline_unix_ms and now >= job.deadline_unix_ms:
+                self._finish(pipe, job.request_id, entry_id, OutputChunk(
+                    job.request_id, 0, finish_reason="deadline", error="the deadline passed before the request ran",
+                    worker_id=self.cfg.worker_id))
+            else:
+                try:
+                    params = job.sampling
+                except MessageError as exc:
+                    self._finish(pipe, job.request_id, entry_id, OutputChunk(
+                        job.request_id, 0, finish_reason="error", error=f"bad sampling params: {exc}", worker_id=self.cfg.worker_id))
+                    continue
+                self.active[job.request_id] = Active(entry_id, job)
+                self.engine.submit(Add(job.request_id, list(job.prompt_token_ids), params))
+        if len(pipe):
+            await pipe.execute()
+
+    def _ack(self, pipe, entry_id: bytes) -> None:
+        inbox = self.keys.inbox(self.cfg.worker_id)
+        pipe.xack(inbox, self.keys.worker_group, entry_id)
+        pipe.xdel(inbox, entry_id)
+
+    def _finish(self, pipe, request_id: str, entry_id: bytes, final: OutputChunk) -> None:
+        """Write the final chunk, then acknowledge and forget the job (same round trip, in order)."""
+        self._write(pipe, final, first=True)
+        self._ack(pipe, entry_id)
+        pipe.srem(self.keys.worker_assignments(self.cfg.worker_id), request_id)
+        pipe.eval(_RELEASE_ASSIGNMENT, 1, self.keys.assignment(request_id), self.cfg.worker_id)
+
+    def _write(self, pipe, chunk: OutputChunk, first: bool) -> None:
+        out = self.keys.output(chunk.request_id)
+        pipe.xadd(out, {b"c": chunk.encode()})
+        if first or chunk.finish_reason is not None:  # a stream nobody reads must not outlive its TTL
+            pipe.pexpire(out, int(self.cfg.output_ttl_s * 1000))
+
+    # ------------------------------------------------------------------ outputs
+
+    async def _output_loop(self) -> None:
+        while True:
+            results = [await self._results.get()]
+            while not self._results.empty():  # fell behind: one round trip for several steps
+                results.append(self._results.get_nowait())
+            if self.engine.error is not None:
+                log.error("the engine thread failed: %s; stopping so the scheduler re-dispatches", self.engine.error)
+                self._accepting = False
+                self._stop.set()
+                return
+            pipe = self.redis.pipeline(transaction=False)
+            for result in results:
+                self._queue_result(pipe, result)
+            self.snapshot = results[-1].snapshot
+            if len(pipe):
+                try:
+                    await pipe.execute()
+                except (RedisError, OSError) as exc:
+                    log.error("could not write a step's output (%s); clients will see the re-run", exc)
+            for result in results:
+                if result.stats is not None:
+                    m.observe_step(result.stats)
+
+    def _queue_result(self, pipe, result: StepResult) -> None:
+        wid = self.cfg.worker_id
+        for out in result.outputs:
+            act = self.active.get(out.request_id)
+            if act is None:
+                continue
+            if not out.new_token_ids and not out.finished:
+                continue
+            chunk = OutputChunk(
+                request_id=out.request_id, index=out.index, token_ids=tuple(out.new_token_ids),
+                finish_reason=out.finish_reason if out.finished else None,
+                prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens, worker_id=wid)
+            if out.finished:
+                self._finish(pipe, out.request_id, act.entry_id, chunk)
+                del self.active[out.request_id]
+            else:
+                self._write(pipe, chunk, first=act.chunks == 0)
+                act.chunks += 1
+        for request_id, why in result.rejected:
+            act = self.active.pop(request_id, None)
+            if act is not None:
+                self._finish(pipe, request_id, act.entry_id, OutputChunk(request_id, 0, finish_reason="rejected", error=why, worker_id=wid))
+        if result.stats is not None:
+            stats = dataclasses.replace(result.stats, worker_id=wid)
+            pipe.xadd(self.keys.stats, {b"s": stats.encode()}, maxlen=self.cfg.stats_maxlen, approximate=True)
+
+    # ------------------------------------------------------------------ cancels
+
+    async def _cancel_listener(self) -> None:
+        while True:
+            try:
+                async with self.redis.pubsub() as ps:
+                    await ps.subscribe(self.keys.cancel_channel)
+                    async for msg in ps.listen():
+                        if msg.get("type") != "message":
+                            continue
+                        try:
+                            rid = Cancel.decode(msg["data"]).request_id
+                        except MessageError:
+                            continue
+                        if rid in self.active:
+                            self.engine.submit(Abort(rid))
+            except (RedisError, OSError) as exc:
+                log.warning("cancel channel lost (%s); resubscribing", exc)
+                await asyncio.sleep(0.5)
+
+    async def _cancel_poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.cancel_poll_s)
+            rids = list(self.active)
+            if not rids:
+                continue
+            try:
+                flags = await self.redis.mget([self.keys.cancel(r) for r in rids])
+            except (RedisError, OSError):
+                continue
+            for rid, flag in zip(rids, flags):
+                if flag is not None and rid in self.active:
+                    self.engine.submit(Abort(rid))
+
+    # ------------------------------------------------------------------ heartbeat and policy
+
+    def heartbeat(self) -> Heartbeat:
+        snap = self.snapshot
+        # Jobs handed to the engine thread but not yet in its counters are waiting too.
+        unseen = max(0, len(self.active) - snap.running - snap.waiting)
+        return Heartbeat(
+            worker_id=self.cfg.worker_id, unix_ms=now_ms(), model=self.cfg.model_name,
+            kv_blocks_free=snap.kv_blocks_free, kv_blocks_total=snap.kv_blocks_total, running=snap.running,
+            waiting=snap.waiting + unseen, max_running=self.cfg.max_running, gamma=snap.gamma,
+            draft_residency=snap.draft_residency, policy_version=self._policy_version, started_unix_ms=self.started_ms)
+
+    async def _heartbeat_loop(self) -> None:
+        ttl_ms = int(self.cfg.heartbeat_ttl_s * 1000)
+        while True:
+            try:
+                async with self.redis.pipeline(transaction=True) as pipe:
+                    pipe.set(self.keys.heartbeat(self.cfg.worker_id), self.heartbeat().encode(), px=ttl_ms)
+                    pipe.sadd(self.keys.workers, self.cfg.worker_id)
+                    await pipe.execute()
+            except (RedisError, OSError) as exc:
+                log.warning("heartbeat failed (%s)", exc)
+            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+
+    async def _policy_loop(self, stop: asyncio.Event) -> None:
+        try:
+            from worker.policy_view import PolicyView, follow_policy
+        except ImportError:  # the planner's view is not installed: the engine keeps default γ
+            log.warning("worker.policy_view missing: running with default gamma %d", self.cfg.default_gamma)
+            return
+        view = PolicyView(self.cfg.worker_id, self.cfg.default_gamma, self.cfg.policy_ttl_s)
+        # Called on the engine thread each step; the view swaps whole policies, never mutates one.
+        self.engine.submit(SetGammaPolicy(lambda batch: view.gamma(batch, time.time())))
+        follower = asyncio.create_task(follow_policy(self.redis, self.keys, view, stop))
+        residency = None
+        try:
+            while not follower.done():
+                wanted = view.residency(time.time())
+                if wanted and wanted != residency and self.cfg.draft_path is not None:
+                    self.engine.submit(SetResidency(wanted))
+                    residency = wanted
+                self._policy_version = getattr(view, "version", self._policy_version)
+                await asyncio.sleep(0.1)
+        finally:
+            follower.cancel()
