@@ -46,6 +46,32 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     await context.abort(code, detail, trailing_metadata=trailer)
 
 
+class _Undecodable:
+    """Stands in for a request whose bytes are not a valid message (answered INVALID_ARGUMENT,
+    not gRPC's default UNKNOWN, so a client can tell bad input from a server fault)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def _lenient(deserialize):
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as exc:  # protobuf's DecodeError, bad UTF-8, truncation
+            return _Undecodable(str(exc))
+
+    return parse
+
+
+def _check_decoded(request) -> None:
+    if isinstance(request, _Undecodable):
+        raise errors.InvalidArgument("request", f"is not a valid protobuf message ({request.why})")
+
+
 def _rewrap(handler: grpc.RpcMethodHandler, before: Callable[[grpc.aio.ServicerContext], Awaitable[None]] | None) -> grpc.RpcMethodHandler:
     """The same handler with ``before`` run first and gateway exceptions turned into codes."""
 
@@ -56,13 +82,14 @@ def _rewrap(handler: grpc.RpcMethodHandler, before: Callable[[grpc.aio.ServicerC
             try:
                 if before:
                     await before(context)
+                _check_decoded(request)
                 async for response in inner(request, context):
                     yield response
             except (errors.GatewayError, redis.exceptions.RedisError) as exc:
                 await _abort(context, exc)
 
         return grpc.unary_stream_rpc_method_handler(
-            unary_stream, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+            unary_stream, request_deserializer=_lenient(handler.request_deserializer), response_serializer=handler.response_serializer)
     if handler.unary_unary:
         inner_uu = handler.unary_unary
 
@@ -70,12 +97,13 @@ def _rewrap(handler: grpc.RpcMethodHandler, before: Callable[[grpc.aio.ServicerC
             try:
                 if before:
                     await before(context)
+                _check_decoded(request)
                 return await inner_uu(request, context)
             except (errors.GatewayError, redis.exceptions.RedisError) as exc:
                 await _abort(context, exc)
 
         return grpc.unary_unary_rpc_method_handler(
-            unary_unary, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+            unary_unary, request_deserializer=_lenient(handler.request_deserializer), response_serializer=handler.response_serializer)
     return handler  # streaming-request methods (reflection) pass through untouched
 
 

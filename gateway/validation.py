@@ -16,6 +16,7 @@ MAX_STOP_BYTES = 64
 MAX_TOP_K = 1000
 MAX_TEMPERATURE = 2.0
 MAX_REQUEST_ID_CHARS = 64
+MAX_SEED = 1 << 63  # SamplingParams (and torch generators) take seeds below 2**63
 MAX_PROMPT_BYTES = 1 << 20  # tokenizing more than 1 MiB of text would stall the event loop
 
 
@@ -59,6 +60,8 @@ def validate(req, limits: Limits) -> ValidRequest:
     if len(rid) > MAX_REQUEST_ID_CHARS or not all(0x21 <= ord(c) <= 0x7E for c in rid):
         raise InvalidArgument("request_id", f"must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters without spaces")
     seed = req.seed if req.HasField("seed") else None
+    if seed is not None and seed >= MAX_SEED:  # the engine's generators take signed 64-bit seeds
+        raise InvalidArgument("seed", f"must be 0 to {MAX_SEED - 1} (2**63 - 1), got {seed}")
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=int(req.top_k),
         seed=seed, stop=tuple(req.stop), ignore_eos=bool(req.ignore_eos),

@@ -203,6 +203,7 @@ class Heartbeat(Message):
     draft_residency: str  # "resident" | "offloading" | "offloaded" | "reloading" | "none"
     policy_version: int = -1
     started_unix_ms: int = 0
+    memory_bytes: dict[str, int] = field(default_factory=dict)  # device budget by part (worker/memory.py)
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,7 @@ class StepStats(Message):
     preempted: int = 0
     draft_residency: str = "none"
     acceptance_alarm: bool = False  # acceptance collapsed while it had been healthy
+    memory_bytes: dict[str, int] = field(default_factory=dict)  # device budget by part (worker/memory.py)
 
 
 # --------------------------------------------------------------------------- policy

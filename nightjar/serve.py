@@ -29,7 +29,7 @@ def add_stack_args(p: argparse.ArgumentParser, *, port: int) -> None:
     p.add_argument("--draft", type=Path, default=paths.DEFAULT_DRAFT, help="draft model folder")
     p.add_argument("--no-draft", action="store_true", help="serve without a draft model (no speculation)")
     p.add_argument("--no-planner", action="store_true", help="run no planner (workers keep their default γ)")
-    p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
+    p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: (cores - 1) / workers, at least 1)")
     p.add_argument("--log-dir", type=Path, default=None, help="write each service's log here (default: a temp folder)")
     p.add_argument("--log-level", default=env.log_level)
 

@@ -34,7 +34,7 @@ class StackConfig:
     planner: bool = True  # False: no planner (workers keep their default γ)
     target_path: Path = paths.DEFAULT_TARGET
     draft_path: Path | None = paths.DEFAULT_DRAFT  # None = no speculation
-    worker_threads: int | None = None  # torch threads per worker; None = cores / workers
+    worker_threads: int | None = None  # torch threads per worker; None = (cores - 1) / workers
     gateway_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()
     scheduler_args: tuple[str, ...] = ()
@@ -129,7 +129,9 @@ class Stack:
 
     def add_worker(self, extra: list[str] | None = None) -> Service:
         cfg = self.cfg
-        threads = cfg.worker_threads or max(1, (os.cpu_count() or 1) // cfg.workers)
+        # One core stays with the gateway, scheduler and planner: a torch thread pool that
+        # competes with them for every core spins and runs several times slower.
+        threads = cfg.worker_threads or max(1, ((os.cpu_count() or 1) - 1) // cfg.workers)
         args = ["--target", str(cfg.target_path), "--threads", str(threads), "--default-gamma", str(cfg.default_gamma)]
         args += ["--draft", str(cfg.draft_path)] if cfg.draft_path else ["--no-draft"]
         return self._spawn("worker", args + list(cfg.worker_args) + list(extra or ()))

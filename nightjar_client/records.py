@@ -75,9 +75,14 @@ def build_request(prompt: str, *, max_tokens: int | None = None, temperature: fl
         raise InvalidArgument(f"prompt must be a str, got {type(prompt).__name__}")
     if isinstance(stop, str):
         stop = [stop]  # a lone string would otherwise become a list of characters
-    for name, value in (("max_tokens", max_tokens or 0), ("top_k", top_k), ("seed", seed or 0)):
+    for name, value, limit in (("max_tokens", max_tokens or 0, 1 << 32), ("top_k", top_k, 1 << 32), ("seed", seed or 0, 1 << 64)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise InvalidArgument(f"{name} must be a non-negative integer, got {value!r}")
+        if value >= limit:  # the wire type's range; the server judges the real limits
+            raise InvalidArgument(f"{name} must be below {limit}, got {value}")
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(value, (bool, str, bytes)) or not isinstance(value, (int, float)):
+            raise InvalidArgument(f"{name} must be a number, got {value!r}")
     try:
         req = pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens or 0, temperature=float(temperature),
                                  top_p=float(top_p), top_k=top_k, stop=list(stop or ()),

@@ -33,6 +33,28 @@ POLICIES = ["nightjar", "nightjar-nooffload", "off", "fixed:3", "threshold:8", "
 FIXED = "fixed:3"
 
 
+METRICS = [
+    ("throughput, tokens/s", lambda r: f"{r.throughput_tps:.0f}"),
+    ("mean end-to-end latency, s", lambda r: f"{r.mean_latency_ms / 1e3:.2f}"),
+    ("p99 end-to-end latency, s", lambda r: f"{r.p99_latency_ms / 1e3:.2f}"),
+    ("mean TTFT, s", lambda r: f"{r.mean_ttft_ms / 1e3:.2f}"),
+    ("γ switches per 1000 steps / draft offloads", lambda r: f"{r.switches_per_1000_steps:.0f} / {r.offloads}"),
+]
+
+
+def _matrices(matrix: dict[str, dict]) -> None:
+    """One policy × trace table per metric (the compact form used in BENCHMARKS.md)."""
+    shapes = list(matrix)
+    specs = list(next(iter(matrix.values()))) if matrix else []
+    for title, cell in METRICS:
+        print(f"\n#### {title}\n")
+        print("| policy | " + " | ".join(shapes) + " |")
+        print("|---|" + "---:|" * len(shapes))
+        for spec in specs:
+            name = "oracle (hindsight)" if spec == "oracle" else spec
+            print(f"| {name} | " + " | ".join(cell(matrix[t][spec]) for t in shapes) + " |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=2000, help="requests per trace")
@@ -45,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--noise", type=float, default=0.1, help="step-time noise, ± fraction")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-oracle", action="store_true", help="skip the hindsight-oracle reference rows")
+    p.add_argument("--matrices-only", action="store_true", help="print only the policy × trace matrices and goals")
     a = p.parse_args(argv)
 
     config = SimConfig(gamma_max=a.gamma_max, workers=a.workers, noise=a.noise, seed=a.seed)
@@ -59,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# cost surface: {surface.name}; gamma_max={a.gamma_max}; workers={a.workers}; noise=±{a.noise:.0%}; "
           f"requests/trace={a.requests}; KV {config.kv_tokens} tokens/worker (+{config.draft_kv_share:.0%} with the "
           f"draft offloaded); E[tokens/step] by γ = {[round(x, 2) for x in acceptance.expected]}")
-    summary, total_steps, total_s = [], 0, 0.0
+    summary, total_steps, total_s, total_cpu_s = [], 0, 0.0, 0.0
+    matrix: dict[str, dict[str, object]] = {}  # trace -> policy -> SimResult
     for shape in traces:
         trace = trace_for(shape, surface, config, requests=a.requests, seed=a.seed)
         rows = {}
@@ -69,11 +93,15 @@ def main(argv: list[str] | None = None) -> int:
                 policy = oracle_policy(surface, acceptance, a.gamma_max, config.max_batch)
             else:
                 policy = make_policy(spec, gamma_max=a.gamma_max, seed=a.seed)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             rows[spec] = simulate(trace, policy, surface, config)
             total_s += time.perf_counter() - t0
+            total_cpu_s += time.process_time() - c0
             total_steps += rows[spec].steps
+        matrix[shape] = rows
         base = rows.get(FIXED)
+        if a.matrices_only:
+            continue
         print(f"\n### {shape} ({len(trace.arrival_ms)} requests, mean prompt {trace.mean_prompt:.0f}, "
               f"mean output {trace.mean_output:.0f} tokens)\n")
         print("| policy | throughput tok/s | × fixed:3 | mean latency s | p99 latency s | mean TTFT s | "
@@ -85,12 +113,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} | {r.throughput_tps:.0f} | {ratio} | {r.mean_latency_ms / 1e3:.2f} | "
                   f"{r.p99_latency_ms / 1e3:.2f} | {r.mean_ttft_ms / 1e3:.2f} | {r.switches_per_1000_steps:.1f} | "
                   f"{r.offloads} |")
+    for shape, rows in matrix.items():
         if "nightjar" in rows:
+            base = rows.get(FIXED)
             best = max((r.throughput_tps, s) for s, r in rows.items() if s != "oracle")
             nj = rows["nightjar"]
-            summary.append((shape, nj.throughput_tps / best[0], best[1],
-                            nj.throughput_tps / base.throughput_tps if base else float("nan"),
-                            nj.mean_latency_ms / min(r.mean_latency_ms for s, r in rows.items() if s != "oracle")))
+            if not any(row[0] == shape for row in summary):
+                summary.append((shape, nj.throughput_tps / best[0], best[1],
+                                nj.throughput_tps / base.throughput_tps if base else float("nan"),
+                                nj.mean_latency_ms / min(r.mean_latency_ms for s, r in rows.items() if s != "oracle")))
+    _matrices(matrix)
     if summary:
         print("\n### Goals\n")
         print("| trace | nightjar / best throughput | best policy | within 2%? | nightjar / fixed:3 | ≥ 1.27× (dynamic)? "
@@ -100,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
             dyn = ("yes" if vs_fixed >= 1.27 else "no") if shape in DYNAMIC else "n/a (stationary)"
             print(f"| {shape} | {vs_best:.3f} | {best_name} | {'yes' if vs_best >= 0.98 else 'no'} | {vs_fixed:.2f} | "
                   f"{dyn} | {vs_lat:.3f} |")
-    print(f"\n# simulator speed: {total_steps} steps in {total_s:.1f} s = {total_steps / max(total_s, 1e-9):,.0f} steps/s")
+    # CPU time too: on a shared machine wall time mostly measures the neighbours.
+    print(f"\n# simulator speed: {total_steps} steps in {total_s:.1f} s wall / {total_cpu_s:.1f} s CPU = "
+          f"{total_steps / max(total_s, 1e-9):,.0f} steps/s wall, {total_steps / max(total_cpu_s, 1e-9):,.0f} per CPU-second")
     return 0
 
 

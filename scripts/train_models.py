@@ -148,8 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-tokens", type=int, default=20_000_000)
     ap.add_argument("--draft-lr", type=float, default=2e-3)
     ap.add_argument("--rounds", type=int, default=5, help="shapes: timing rounds")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads; 1 wastes least when other jobs share the cores (no spinning at barriers)")
     a = ap.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if a.threads < 1:
+        ap.error("--threads must be >= 1")
+    torch.set_num_threads(a.threads)
     return {"prompts": cmd_prompts, "shapes": cmd_shapes, "target": cmd_target, "draft": cmd_draft,
             "export": cmd_export, "all": cmd_all}[a.command](a)
 

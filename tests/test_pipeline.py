@@ -122,3 +122,59 @@ async def test_health_reflection_and_model_info(stack):
         async for resp in refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])):
             names += [s.name for s in resp.list_services_response.service]
         assert "nightjar.v1.InferenceService" in names and "grpc.health.v1.Health" in names
+
+
+async def test_every_per_request_key_is_gone_or_expiring(stack):
+    """docs/pipeline.md "Keys and expiry": after traffic, per-request keys either were deleted
+    (finished streams, assignments) or carry a TTL (cancel markers, abandoned streams)."""
+    import redis
+
+    r = redis.Redis.from_url(stack.redis_url)
+    prefix = stack.cfg.key_prefix
+    try:
+        assert r.keys(f"{prefix}:assign:*") == []  # finished requests release their assignment
+        assert r.scard(f"{prefix}:worker_jobs:{next(iter(heartbeats(stack)))}") == 0
+        for pattern in ("out:*", "cancel:*", "hb:*"):
+            for key in r.keys(f"{prefix}:{pattern}"):
+                assert r.pttl(key) > 0, f"{key!r} has no TTL"
+        assert r.xlen(f"{prefix}:requests") == 0  # everything dispatched was deleted from the queue
+        assert r.xlen(f"{prefix}:stats") > 0  # the worker published its step stats
+    finally:
+        r.close()
+
+
+async def test_planner_restart_and_policy_expiry(stack, texts, reference):
+    """docs/pipeline.md "Planner restart": workers follow the planner's policy while it is fresh,
+    fall back to their default γ once it is older than its TTL (serving never stops), and adopt
+    the restarted planner's newer version. The stack's workers default to γ=3; the planner
+    here publishes "off" (γ=0), so the γ of the last step shows whose policy is in force."""
+    import signal
+
+    async def run_one(i):
+        channel, stub = aio_stub(stack)
+        async with channel:
+            toks, _, _ = await generate(stub, texts[i], MAX_TOKENS)
+        assert_same_greedy(texts[i], toks, reference[texts[i]], MAX_TOKENS)
+        await asyncio.sleep(0.7)  # the next heartbeat carries this request's last step
+        (hb,) = heartbeats(stack).values()
+        return hb
+
+    async def wait_version(above: int):
+        for _ in range(100):
+            (hb,) = heartbeats(stack).values()
+            if hb.policy_version > above:
+                return hb.policy_version
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"no policy version above {above} reached the worker")
+
+    planner = stack._spawn("planner", ["--policy", "off", "--ttl-s", "2"])
+    v1 = await wait_version(-1)
+    assert (await run_one(4)).gamma == 0  # the planner's table
+    planner.proc.send_signal(signal.SIGKILL)
+    planner.proc.wait(10)
+    await asyncio.sleep(2.5)  # the last policy is now older than its TTL
+    hb = await run_one(5)
+    assert hb.gamma == 3 and hb.policy_version == v1  # default γ; the stale version is kept, not trusted
+    stack._spawn("planner", ["--policy", "off", "--ttl-s", "2"])
+    assert await wait_version(v1) > v1
+    assert (await run_one(6)).gamma == 0

@@ -151,3 +151,13 @@ def test_cli_rejects_bad_input_and_builds_a_config(capsys):
         parse_config(["--ttl-s", "0"])
     cfg = parse_config(["--policy", "table:1=4,16=0", "--gamma-max", "6", "--redis-url", "redis://h:1/0"])
     assert cfg.policy == "table:1=4,16=0" and cfg.gamma_max == 6 and cfg.republish_s == pytest.approx(10 / 3)
+
+
+async def test_corrupt_saved_state_starts_fresh(r, redis_url, key_prefix):
+    keys = Keys(key_prefix)
+    await r.set(keys.planner_state, b"\xc1 not msgpack")
+    service = PlannerService(config(redis_url, key_prefix), r)
+    await service.start()
+    assert service.version == 0 and service.policy.updates == 0
+    await service.publish(force=True)
+    assert Policy.decode(await r.get(keys.policy)).version == 1

@@ -130,6 +130,8 @@ def test_nightjar_ignores_malformed_stats():
     policy.update(stats(0, 1))
     policy.update(stats(4, 9))
     policy.update(stats(4, 1, verify_ms=-1.0))
+    policy.update(stats(4, 1, verify_ms=float("nan")))
+    policy.update(stats(4, 1, draft_ms=float("inf")))
     assert policy.updates == 0 and policy.table() == before
 
 

@@ -178,3 +178,18 @@ def test_burst_trace_has_its_phases():
     edges = np.linspace(0, trace.arrival_ms[-1], 6)
     counts = np.histogram(trace.arrival_ms, edges)[0]
     assert counts.argmax() == 3 and counts[0] < counts[1] < counts[2] < counts[3] and counts[4] < counts[1]
+
+
+def test_adapts_when_acceptance_collapses():
+    """Learned online with decay: after the draft stops matching, γ falls to what pays now."""
+    config = SimConfig(gamma_max=GAMMA_MAX, max_batch=4, kv_tokens=65536)
+    policy = make_policy("nightjar", gamma_max=GAMMA_MAX)
+    simulate(closed_loop(80, 1), policy, SURFACE, config)  # α ≈ 0.8: deep speculation pays
+    high_gamma = policy.gamma_for(4)
+    poor = replace(config, alphas=(0.25,) * GAMMA_MAX, seed=3)
+    simulate(closed_loop(80, 2), policy, SURFACE, poor)  # adapt
+    measured = simulate(closed_loop(80, 3), policy, SURFACE, poor).throughput_tps
+    oracle = oracle_policy(SURFACE, AcceptanceProcess(poor.alphas, GAMMA_MAX), GAMMA_MAX, 4)
+    best = simulate(closed_loop(80, 3), oracle, SURFACE, poor).throughput_tps
+    assert high_gamma >= 2 and policy.gamma_for(4) < high_gamma
+    assert measured >= 0.95 * best, f"{measured:.0f} vs oracle {best:.0f}"

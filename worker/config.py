@@ -28,6 +28,10 @@ class EngineConfig:
     acceptance_alarm_floor: float = 0.05  # alarm when a window's mean acceptance falls below this ...
     acceptance_alarm_healthy: float = 0.3  # ... after an earlier window was at least this
     num_threads: int | None = None  # torch CPU threads; None = leave torch's default
+    # elastic memory (worker/memory.py): the whole device budget = weights + KV pools + workspace;
+    # when set, it sizes the KV pools (kv_budget_bytes is then ignored); None = weights + kv_budget_bytes + workspace
+    memory_budget_bytes: int | None = None
+    workspace_bytes: int | None = None  # activation reserve kept out of the KV pools; None = estimated
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -64,6 +68,10 @@ class EngineConfig:
             raise bad("acceptance_alarm_window", "must be >= 1")
         if self.num_threads is not None and self.num_threads < 1:
             raise bad("num_threads", "must be >= 1 or None")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
+            raise bad("memory_budget_bytes", "must be > 0 bytes or None")
+        if self.workspace_bytes is not None and self.workspace_bytes < 0:
+            raise bad("workspace_bytes", "must be >= 0 bytes or None (estimated)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

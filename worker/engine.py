@@ -18,6 +18,7 @@ import torch
 from nightjar.messages import SamplingParams, StepStats
 from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer
+from worker.memory import MemoryManager, kv_pool_bytes
 from worker.model import LlamaModel
 from worker.runner import ModelRunner, Run
 from worker.sampler import RowParams, draw_uniforms, probs_from_logits, sample, validate
@@ -60,7 +61,7 @@ class Engine:
         bpb = ModelRunner.bytes_per_block(target, cfg.block_size)
         if draft is not None:  # both pools get the same block count: the draft never runs out first
             bpb += ModelRunner.bytes_per_block(draft, cfg.block_size)
-        num_blocks = cfg.kv_budget_bytes // bpb
+        num_blocks = kv_pool_bytes(cfg, target, draft) // bpb  # worker/memory.py: kv_budget_bytes or what memory_budget_bytes leaves
         if num_blocks < 4:
             raise ValueError(f"EngineConfig.kv_budget_bytes={cfg.kv_budget_bytes} holds {num_blocks} blocks of "
                              f"{bpb} bytes; give at least {4 * bpb}")
@@ -89,6 +90,7 @@ class Engine:
         self.monitor = AcceptanceMonitor(cfg.acceptance_alarm_window, cfg.acceptance_alarm_floor,
                                          cfg.acceptance_alarm_healthy)
         self.last_stats: StepStats | None = None
+        self.memory = MemoryManager(self)  # device budget, draft offload/reload (worker/memory.py)
 
     # ------------------------------------------------------------------ public API
 
@@ -126,6 +128,27 @@ class Engine:
     def set_gamma_policy(self, fn: Callable[[int], int]) -> None:
         self._policy = fn
 
+    def set_draft_residency(self, directive: str) -> None:
+        """"resident" | "offloaded": the memory manager carries it out between steps (worker/memory.py)."""
+        self.memory.set_directive(directive)
+
+    def offload_draft(self) -> bool:
+        return self.memory.offload()
+
+    def reload_draft(self) -> str | None:
+        """None when the reload started (or was not needed); else why it was refused."""
+        return self.memory.reload()
+
+    def drop_draft_kv(self) -> None:
+        """Forget the draft's KV (for a memory manager about to free or reallocate its pool):
+        every draft table goes back to the pool, and the next speculative step catches each
+        sequence up from scratch (a catch-up, reported in StepStats)."""
+        if self.speculator is None:
+            return
+        for s in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.speculator.runner.blocks.free(s.draft_table)
+            s.draft_computed = 0
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -147,12 +170,14 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self.memory.poll()  # finish a draft transfer, pursue the residency directive
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule(self._gamma())
         if batch.empty:
             return outputs
-        rp = RowParams.of([s.params for s in batch.decode])
-        u = draw_uniforms([s.generator for s in batch.decode], 2 * batch.gamma + 1)  # [Bd, 2γ+1]
+        dev = self.runner.model.device
+        rp = RowParams.of([s.params for s in batch.decode]).to(dev)
+        u = draw_uniforms([s.generator for s in batch.decode], 2 * batch.gamma + 1).to(dev)  # [Bd, 2γ+1]
         prop = self.speculator.propose(batch.decode, batch.gamma, rp, u) if batch.gamma else None
         t1 = time.perf_counter()
         logits = self._verify(batch, prop)
@@ -183,14 +208,15 @@ class Engine:
         """-> (new tokens per sequence that sampled, accepted count per decode sequence [Bd])."""
         g, bd = batch.gamma, len(batch.decode)
         out: list[tuple[Sequence, list[int]]] = []
-        n = torch.zeros(bd, dtype=torch.long)
+        dev = logits.device
+        n = torch.zeros(bd, dtype=torch.long, device=dev)
         if bd:
             dl = logits[: bd * (g + 1)].view(bd, g + 1, -1)  # [Bd, γ+1, V]
-            drafts = prop.tokens if prop is not None else torch.zeros(bd, 0, dtype=torch.long)
+            drafts = prop.tokens if prop is not None else torch.zeros(bd, 0, dtype=torch.long, device=dev)
             if rp.all_greedy:
                 n, final = accept_greedy(dl.argmax(-1), drafts)
             else:
-                p = probs_from_logits(dl.reshape(bd * (g + 1), -1), RowParams.of([s.params for s in batch.decode], g + 1))
+                p = probs_from_logits(dl.reshape(bd * (g + 1), -1), RowParams.of([s.params for s in batch.decode], g + 1).to(dev))
                 n, final = accept_tokens(p.view(bd, g + 1, -1), prop.q if prop is not None else None, drafts,
                                          u[:, g: 2 * g], u[:, 2 * g])
             n_l, f_l, d_l = n.tolist(), final.tolist(), drafts.tolist()
@@ -207,11 +233,11 @@ class Engine:
                 ending.append(s)
         if ending:
             pl = logits[bd * (g + 1):]  # [E, V]
-            erp = RowParams.of([s.params for s in ending])
+            erp = RowParams.of([s.params for s in ending]).to(dev)
             if erp.all_greedy:
                 toks = pl.argmax(-1).tolist()
             else:
-                toks = sample(probs_from_logits(pl, erp), draw_uniforms([s.generator for s in ending], 1)[:, 0]).tolist()
+                toks = sample(probs_from_logits(pl, erp), draw_uniforms([s.generator for s in ending], 1)[:, 0].to(dev)).tolist()
             out.extend((s, [t]) for s, t in zip(ending, toks))
         return out, n
 
@@ -263,4 +289,5 @@ class Engine:
             catchup_tokens=prop.catchup_tokens if prop else 0, catchup_ms=prop.catchup_ms if prop else 0.0,
             kv_blocks_used=blocks.num_used, kv_blocks_free=blocks.num_free, waiting=len(self.scheduler.waiting),
             preempted=batch.preempted, draft_residency=self.draft_residency, acceptance_alarm=alarm,
+            memory_bytes=self.memory.parts().as_dict(),
         )

@@ -51,6 +51,7 @@ class Snapshot:
     gamma: int = 0
     draft_residency: str = "none"
     max_context_tokens: int = 0
+    memory_bytes: tuple[tuple[str, int], ...] = ()  # (part, device bytes) from worker/memory.py
 
 
 @dataclass(frozen=True)
@@ -159,4 +160,5 @@ def _snapshot(engine, gamma: int) -> Snapshot:
         running=engine.num_running, waiting=engine.num_waiting, kv_blocks_free=engine.kv_blocks_free,
         kv_blocks_total=engine.kv_blocks_total, gamma=gamma, draft_residency=str(engine.draft_residency),
         max_context_tokens=int(engine.max_context_tokens),
+        memory_bytes=tuple(engine.memory.parts().as_dict().items()) if hasattr(engine, "memory") else (),
     )

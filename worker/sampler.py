@@ -36,6 +36,11 @@ def validate(params: SamplingParams, vocab_size: int) -> None:
         raise bad("stop", "must be at most 16 non-empty strings")
 
 
+# A temperature below this samples greedily: logits / T overflows float32 for tiny T (1e-45 gave
+# NaN probabilities and garbage tokens), and sampling's T -> 0 limit is the argmax anyway.
+GREEDY_BELOW_TEMPERATURE = 1e-6
+
+
 @dataclass
 class RowParams:
     """Sampling settings of R rows as tensors (built once per step)."""
@@ -46,18 +51,26 @@ class RowParams:
     top_p: torch.Tensor  # [R] float32
     all_greedy: bool
     any_filter: bool
+    any_top_p: bool
+
+    def to(self, device: torch.device) -> "RowParams":
+        if device.type == "cpu":
+            return self
+        return RowParams(self.greedy.to(device), self.temperature.to(device), self.top_k.to(device),
+                         self.top_p.to(device), self.all_greedy, self.any_filter, self.any_top_p)
 
     @classmethod
     def of(cls, params: list[SamplingParams], repeat: int = 1) -> "RowParams":
         """Each request's settings repeated ``repeat`` times (one row per verified position)."""
-        greedy = [p.temperature == 0.0 for p in params for _ in range(repeat)]
-        temp = [p.temperature if p.temperature > 0 else 1.0 for p in params for _ in range(repeat)]
+        greedy = [p.temperature < GREEDY_BELOW_TEMPERATURE for p in params for _ in range(repeat)]
+        temp = [1.0 if g else p.temperature for p, g in zip((p for p in params for _ in range(repeat)), greedy)]
         top_k = [p.top_k for p in params for _ in range(repeat)]
         top_p = [p.top_p for p in params for _ in range(repeat)]
         return cls(
             greedy=torch.tensor(greedy), temperature=torch.tensor(temp, dtype=torch.float32),
             top_k=torch.tensor(top_k, dtype=torch.long), top_p=torch.tensor(top_p, dtype=torch.float32),
             all_greedy=all(greedy), any_filter=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
+            any_top_p=any(p < 1.0 for p in top_p),
         )
 
 
@@ -66,9 +79,14 @@ def probs_from_logits(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
     if rp.all_greedy:
         return torch.zeros_like(logits).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
     x = logits / rp.temperature.unsqueeze(1)
-    if rp.any_filter:
+    if rp.any_filter and not rp.any_top_p:  # top-k only: a partial top-k beats a full sort
+        k = torch.where(rp.top_k > 0, rp.top_k, x.shape[1])  # [R]
+        k_max = int(k.max())
+        kth = x.topk(k_max, -1).values.gather(1, (k - 1).unsqueeze(1))  # [R, 1] k-th largest logit
+        x = x.masked_fill(x < kth, float("-inf"))
+    elif rp.any_filter:
         sorted_x, order = x.sort(-1, descending=True)  # [R, V]
-        rank = torch.arange(x.shape[1]).unsqueeze(0)
+        rank = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         k = torch.where(rp.top_k > 0, rp.top_k, x.shape[1]).unsqueeze(1)
         drop = rank >= k
         sp = sorted_x.masked_fill(drop, float("-inf")).softmax(-1)
@@ -94,4 +112,4 @@ def draw_uniforms(generators: list[torch.Generator], n: int) -> torch.Tensor:
     """[R, n] uniforms, row r from request r's own generator."""
     if n == 0 or not generators:
         return torch.zeros(len(generators), n)
-    return torch.stack([torch.rand(n, generator=g) for g in generators])
+    return torch.stack([torch.rand(n, generator=g) for g in generators])  # CPU generators: device-independent

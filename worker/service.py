@@ -23,12 +23,13 @@ from redis.exceptions import RedisError, ResponseError
 
 from nightjar import metrics as m
 from nightjar.keys import Keys
-from nightjar.messages import Cancel, Heartbeat, Job, MessageError, OutputChunk
+from nightjar.messages import Cancel, DeadLetter, Heartbeat, Job, MessageError, OutputChunk
 from nightjar.service_util import now_ms
 from worker.engine_thread import Abort, Add, EngineThread, SetGammaPolicy, SetResidency, Snapshot, StepResult
 from worker.service_config import WorkerServiceConfig
 
 log = logging.getLogger("worker")
+DEAD_LETTER_PAYLOAD_BYTES = 64 * 1024  # as the scheduler's dead letters
 
 # Delete an assignment only if it is still ours: after a false death (a long pause) the
 # scheduler may have given the job to another worker, whose record must survive us.
@@ -140,8 +141,8 @@ class WorkerService:
             try:
                 job = Job.decode(fields[b"job"])
             except (KeyError, MessageError) as exc:
-                log.error("dropping malformed inbox entry %s: %s", entry_id, exc)
-                self._ack(pipe, entry_id)
+                log.error("dead-lettering malformed inbox entry %s: %s", entry_id, exc)
+                self._dead_letter(pipe, entry_id, fields.get(b"job", b""), str(exc))
                 continue
             if job.request_id in self.active:  # delivered twice: the running copy answers
                 self._ack(pipe, entry_id)
@@ -167,6 +168,13 @@ class WorkerService:
                 self.engine.submit(Add(job.request_id, list(job.prompt_token_ids), params))
         if len(pipe):
             await pipe.execute()
+
+    def _dead_letter(self, pipe, entry_id: bytes, raw: bytes, reason: str) -> None:
+        """Keep a malformed entry (truncated) where `nightjar queue dlq` shows it, then drop it."""
+        dl = DeadLetter(entry_id=entry_id.decode(), reason=f"worker {self.cfg.worker_id} inbox: {reason}", deliveries=1,
+                        payload=bytes(raw[:DEAD_LETTER_PAYLOAD_BYTES]), unix_ms=now_ms())
+        pipe.xadd(self.keys.dead_letters, {b"dl": dl.encode()}, maxlen=10_000, approximate=True)
+        self._ack(pipe, entry_id)
 
     def _ack(self, pipe, entry_id: bytes) -> None:
         inbox = self.keys.inbox(self.cfg.worker_id)
@@ -281,7 +289,8 @@ class WorkerService:
             worker_id=self.cfg.worker_id, unix_ms=now_ms(), model=self.cfg.model_name,
             kv_blocks_free=snap.kv_blocks_free, kv_blocks_total=snap.kv_blocks_total, running=snap.running,
             waiting=snap.waiting + unseen, max_running=self.cfg.max_running, gamma=snap.gamma,
-            draft_residency=snap.draft_residency, policy_version=self._policy_version, started_unix_ms=self.started_ms)
+            draft_residency=snap.draft_residency, policy_version=self._policy_version, started_unix_ms=self.started_ms,
+            memory_bytes=dict(snap.memory_bytes))
 
     async def _heartbeat_loop(self) -> None:
         ttl_ms = int(self.cfg.heartbeat_ttl_s * 1000)

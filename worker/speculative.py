@@ -41,18 +41,18 @@ def accept_tokens(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u_acce
     u_accept: [B, γ], u_final: [B] uniforms -> (n_accepted [B], next token [B])."""
     b, g1, v = p.shape
     gamma = g1 - 1
-    rows = torch.arange(b)
+    rows = torch.arange(b, device=p.device)
     if gamma > 0:
         px = p[:, :gamma].gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, γ] p_i(x_i)
         qx = q.gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, γ] q_i(x_i) > 0: x_i was drawn from q_i
         ok = u_accept * qx < px  # u < p/q  <=>  accepted with probability min(1, p/q)
         n = ok.long().cumprod(1).sum(1)  # [B] length of the accepted prefix
-        q_ext = torch.cat([q, torch.zeros(b, 1, v, dtype=q.dtype)], 1)  # [B, γ+1, V], q_γ := 0
+        q_ext = torch.cat([q, torch.zeros(b, 1, v, dtype=q.dtype, device=q.device)], 1)  # [B, γ+1, V], q_γ := 0
         resid = (p[rows, n] - q_ext[rows, n]).clamp_min(0.0)  # [B, V]; = p_γ when all accepted
         # p == q exactly leaves no residual mass, but then nothing could be rejected there
         resid = torch.where(resid.sum(1, keepdim=True) > 0, resid, p[rows, n])
     else:
-        n = torch.zeros(b, dtype=torch.long)
+        n = torch.zeros(b, dtype=torch.long, device=p.device)
         resid = p[:, 0]
     return n, sample(resid, u_final)
 
@@ -79,7 +79,7 @@ class Speculator:
             return logits
         if v > self.vocab:
             return logits[..., : self.vocab]
-        pad = torch.full((*logits.shape[:-1], self.vocab - v), float("-inf"))
+        pad = torch.full((*logits.shape[:-1], self.vocab - v), float("-inf"), device=logits.device)
         return torch.cat([logits, pad], -1)
 
     def catch_up(self, seqs: list[Sequence]) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -125,13 +126,14 @@ async def run_load(workload: Workload, prompts: list[str], cfg: LoadConfig, prob
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     started_unix = time.time()
+    run_id = uuid.uuid4().hex[:8]  # request ids stay unique across runs on one stack
     stop_sampling = asyncio.Event()
     to_send = sum(r.planned_s <= cfg.max_duration_s for r in records)
     progress = _Progress(cfg.label, to_send) if cfg.progress else None
 
     async def one(rec: RequestRecord, prompt: str) -> None:
         req = pb.GenerateRequest(prompt=prompt, max_tokens=rec.max_tokens, temperature=cfg.temperature,
-                                 seed=cfg.seed + rec.index, ignore_eos=True, request_id=f"bench-{cfg.label}-{rec.index}"[:64])
+                                 seed=cfg.seed + rec.index, ignore_eos=True, request_id=f"bench-{run_id}-{rec.index}")
         async with gate:
             counters.in_flight += 1
             rec.sent_s = loop.time() - t0
@@ -174,7 +176,8 @@ async def run_load(workload: Workload, prompts: list[str], cfg: LoadConfig, prob
             e2e = [r.e2e_s for r in done if r.ok]
             ttft = [r.ttft_s for r in done if r.ok and r.ttft_s is not None]
             dt = max(now - last_t, 1e-9)
-            row = {"t": now, "offered_rps": workload.offered_rps(max(0.0, now - 2.0), now) if now > 0 else 0.0,
+            row = {"t": now, "offered_rps": workload.offered_rps(max(0.0, now - 5.0), now) if now > 0 else 0.0,
+                   "nominal_rps": workload.nominal_rps(now),
                    "in_flight": counters.in_flight, "sent": counters.sent, "tokens_per_s": (counters.tokens - last_tokens) / dt,
                    "finished": len(done), "e2e_s": sum(e2e) / len(e2e) if e2e else None,
                    "ttft_s": sum(ttft) / len(ttft) if ttft else None}

@@ -31,7 +31,10 @@ def timeline(samples: list[dict], path: Path, title: str, capacity_rps: float | 
     """One PNG with seven stacked panels sharing the time axis."""
     fig, axes = plt.subplots(7, 1, figsize=(9, 13), sharex=True, constrained_layout=True)
     ax = axes[0]
-    ax.plot(*_series(samples, "offered_rps"), color="tab:blue", label="offered (2 s window)")
+    ax.plot(*_series(samples, "offered_rps"), color="tab:blue", label="arrivals (5 s window)")
+    xs, ys = _series(samples, "nominal_rps")
+    if xs:
+        ax.step(xs, ys, where="post", color="tab:blue", ls=":", lw=1, label="pattern")
     if capacity_rps:
         ax.axhline(capacity_rps, color="grey", ls="--", lw=1, label="measured capacity")
     ax.set_ylabel("load\n(req/s)")

@@ -105,9 +105,11 @@ def summarize_steps(steps: list[StepStats]) -> dict:
     last_res: dict[str, str] = {}
     proposed = accepted = spec_steps = 0
     for s in steps:
-        if s.worker_id in last_gamma and s.gamma != last_gamma[s.worker_id]:
-            out["gamma_switches"] += 1
-        last_gamma[s.worker_id] = s.gamma
+        # γ is only "in force" on steps that decode; prefill-only steps report 0 whatever the policy.
+        if s.batch_size > 0:
+            if s.worker_id in last_gamma and s.gamma != last_gamma[s.worker_id]:
+                out["gamma_switches"] += 1
+            last_gamma[s.worker_id] = s.gamma
         prev = last_res.get(s.worker_id)
         if prev is not None and prev != s.draft_residency:
             if s.draft_residency in ("offloading", "offloaded") and prev in ("resident", "reloading"):

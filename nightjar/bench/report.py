@@ -51,6 +51,7 @@ def summarize(result: LoadResult, step_summary: dict | None = None) -> dict:
         "tokens_per_s": tokens / makespan, "requests_per_s": len(ok) / makespan,
         "ttft_s": stats([r.ttft_s for r in ok]), "itl_s": stats([r.itl_s for r in ok]), "e2e_s": stats([r.e2e_s for r in ok]),
         "send_lag_s": stats(lag),
+        "errors": sorted({f"{r.status}: {r.error}" for r in sent if not r.ok and r.error})[:5],
     }
     if step_summary is not None:
         out["engine"] = step_summary

@@ -61,6 +61,7 @@ class Workload:
     output_tokens: np.ndarray  # [n] int >= 1 (sent as max_tokens with ignore_eos)
     duration_s: float  # the arrival window; the run then drains
     capacity_rps: float  # the capacity the loads were scaled to
+    nominal: tuple[tuple[float, float, float], ...] = ()  # (start s, end s, req/s) of the pattern's pieces
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
@@ -69,6 +70,13 @@ class Workload:
 
     def __len__(self) -> int:
         return len(self.arrival_s)
+
+    def nominal_rps(self, t: float) -> float | None:
+        """The pattern's intended arrival rate at time t (None for a replayed trace)."""
+        for start, end, rps in self.nominal:
+            if start <= t < end:
+                return rps
+        return None
 
     def offered_rps(self, t0: float, t1: float) -> float:
         """Arrivals per second in [t0, t1)."""
@@ -101,6 +109,7 @@ def build(spec: str, capacity_rps: float, duration_s: float, *, seed: int = 0, s
     if not duration_s > 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
     cap = lambda _prompt, _output: capacity_rps  # noqa: E731 - capacity was measured on the scaled mix
+    nominal: tuple = ()
     if spec.startswith("azure_"):
         n = max(2, int(round(azure_load * capacity_rps * duration_s)))
         tr = sim_trace.azure(spec.split("_", 1)[1], cap, load=azure_load, requests=min(n, max_requests))
@@ -110,14 +119,27 @@ def build(spec: str, capacity_rps: float, duration_s: float, *, seed: int = 0, s
         arrivals = sim_trace.piecewise_poisson(rng, [r * capacity_rps for r in rates], [duration_s / len(rates)] * len(rates))
         prompt, output = sim_trace.synthetic_lengths(rng, max(len(arrivals), 1))
         tr = sim_trace.Trace(spec, arrivals if len(arrivals) else np.zeros(1), prompt, output)
+        nominal = _pieces(rates, [1.0] * len(rates), duration_s / len(rates), capacity_rps)
     else:
         n = max(1, int(round(_mean_load(spec) * capacity_rps * duration_s)))
         tr = sim_trace.make_trace(spec, cap, requests=n, seed=seed)
+        loads, weights = sim_trace._profile(spec)
+        # trace.synthetic stretches the pieces so that n requests are expected: the same unit here.
+        unit_s = n / (capacity_rps * float(np.dot(loads, weights)))
+        nominal = _pieces(list(loads), list(weights), unit_s, capacity_rps)
     arrival_s = np.asarray(tr.arrival_ms, dtype=float) / 1000.0
     keep = arrival_s < duration_s
     keep[max_requests:] = False
     prompt, output = scale.apply(tr.prompt_tokens[keep], tr.output_tokens[keep])
-    return Workload(spec, arrival_s[keep], prompt, output, duration_s, capacity_rps)
+    return Workload(spec, arrival_s[keep], prompt, output, duration_s, capacity_rps, nominal)
+
+
+def _pieces(loads: list[float], weights: list[float], unit_s: float, capacity_rps: float) -> tuple:
+    out, start = [], 0.0
+    for load, w in zip(loads, weights):
+        out.append((start, start + w * unit_s, float(load) * capacity_rps))
+        start += w * unit_s
+    return tuple(out)
 
 
 class PromptBank:

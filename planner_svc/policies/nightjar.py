@@ -12,18 +12,23 @@ step updates t̂ and Ê, which predict *every* arm, so no arm has to be played t
 
 Schedule (ADA-BinGreedy style, per bucket): the bucket's own steps form a timeline of blocks;
 block j has ``bins_per_block`` bins of min(bin_max, bin_base·2^j) steps. Decisions happen only
-at bin ends, so γ changes at most twice per bin (probe and return). At a bin end, with
-probability ε_j = max(ε_min, ε_0/(1+j)) the next bin (short, bin_base steps) probes the cheapest
-uncertain arm predicted within ``probe_margin`` of the greedy one (else a neighbour γ±1);
-otherwise it exploits argmin L, switching only if the gain beats ``switch_margin`` plus the
-catch-up cost amortised over the next bin's tokens. When the greedy arm is 0 the neighbour
-probe γ=1 keeps acceptance data alive (scaled by how cheap the probe is predicted to be), and
-estimates decay as new data arrives, so it never deadlocks at γ = 0. A bin whose observed loss
-misses its prediction by more than ``change_tolerance`` restarts the bucket's schedule at block 0.
+at bin ends, so γ changes at most twice per bin (probe and return). At a bin end the next bin
+exploits argmin L, switching only if the gain beats ``switch_margin`` plus the expected draft
+catch-up C amortised over the bin's tokens. With probability ε_j = max(ε_min, ε_0/(1+j)) it is
+instead a short probe bin (bin_base steps) of the cheapest uncertain arm predicted within
+``probe_margin`` of the greedy one (else a neighbour γ±1), scaled down by budget/extra when the
+probe's predicted extra time (its excess loss plus C when it turns the draft on) exceeds
+``probe_budget`` of the next bin's time. C = measured ms per catch-up token × batch × lag, the
+lag being the γ=0 steps in a row (capped by the context) each worker reports. So at low load γ>0
+keeps being probed and estimates keep refreshing (no deadlock at γ=0), while at high load a
+probe after a long γ=0 run, whose catch-up would be large, is rare. A bucket's first step
+triggers a model-based choice; a bin whose observed loss misses its prediction by more than
+``change_tolerance`` restarts the bucket's schedule at block 0.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,12 +47,13 @@ class NightjarSettings:
     bin_base: int = 8  # steps per bin in block 0, and per probe bin
     bin_max: int = 128
     bins_per_block: int = 8
-    epsilon0: float = 0.5
+    epsilon0: float = 0.2
     epsilon_min: float = 0.03
     probe_margin: float = 0.15  # only probe arms predicted within 15% of the greedy arm
     min_plays: int = 8  # an arm with fewer plays in a bucket counts as uncertain
     stale_steps: int = 5000  # ... and so does one not played for this many bucket steps
     switch_margin: float = 0.01  # hysteresis: switch only for a predicted gain above 1%
+    probe_budget: float = 0.05  # a probe runs at full rate if it costs <= 5% of the next bin's time
     change_tolerance: float = 0.3
     initial_gamma: int = 1
     offload: bool = True
@@ -62,6 +68,8 @@ class NightjarSettings:
             raise ValueError("bins_per_block and stale_steps must be >= 1, min_plays >= 0")
         if not 0 <= self.epsilon_min <= self.epsilon0 <= 1:
             raise ValueError("need 0 <= epsilon_min <= epsilon0 <= 1")
+        if not 0 < self.probe_budget <= 1:
+            raise ValueError(f"probe_budget must be in (0, 1], got {self.probe_budget}")
         if self.probe_margin < 0 or self.switch_margin < 0 or self.change_tolerance <= 0 or self.initial_gamma < 0:
             raise ValueError("margins must be >= 0, change_tolerance > 0, initial_gamma >= 0")
 
@@ -69,14 +77,14 @@ class NightjarSettings:
 class _Timeline:
     """One bucket's schedule and per-arm bookkeeping."""
 
-    def __init__(self, lo: int, hi: int, arm: int, arms: int, bin_base: int) -> None:
+    def __init__(self, lo: int, hi: int, arm: int, arms: int) -> None:
         self.lo, self.hi = lo, hi
         self.hist = np.zeros(hi - lo + 1)  # decayed counts of batch sizes lo..hi
         self.arm = arm  # arm in force
         self.exploit_arm = arm  # arm to return to after a probe
         self.block = 0
         self.bin_index = 0
-        self.steps_left = bin_base
+        self.steps_left = 1  # the first step seen in a bucket triggers a model-based choice
         self.probing = False
         self.steps = 0
         self.plays = [0] * arms
@@ -134,7 +142,8 @@ class NightjarPolicy(GammaPolicy):
         arm0 = min(settings.initial_gamma, gamma_max)
         lows = (1,) + tuple(b + 1 for b in self.buckets[:-1])
         highs = self.buckets[:-1] + (max(top, self.buckets[-1]),)
-        self.timelines = [_Timeline(lo, hi, arm0, gamma_max + 1, settings.bin_base) for lo, hi in zip(lows, highs)]
+        self.timelines = [_Timeline(lo, hi, arm0, gamma_max + 1) for lo, hi in zip(lows, highs)]
+        self.workers_lag: dict[str, tuple[int, float]] = {}  # worker -> (γ=0 steps in a row, tokens/seq)
         self.updates = 0
         self.switches = 0  # table changes (bin decisions that changed a bucket's γ)
 
@@ -169,15 +178,21 @@ class NightjarPolicy(GammaPolicy):
     # --- update --------------------------------------------------------------------------------
     def update(self, stats: StepStats) -> None:
         b, g = stats.batch_size, stats.gamma
-        if b <= 0 or not 0 <= g <= self.gamma_max or not (stats.verify_ms >= 0 and stats.draft_ms >= 0):
-            return
+        times = (stats.verify_ms, stats.draft_ms, stats.catchup_ms)
+        if b <= 0 or not 0 <= g <= self.gamma_max or not all(0 <= t < math.inf for t in times):
+            return  # a malformed record must not poison the shared models
         self.updates += 1
         if g > 0 and stats.accepted_per_position:
             self.acceptance.observe(b, g, stats.accepted_per_position)
-        if stats.verify_ms > 0:  # verify_ms is the decode pass alone; prefill time is in step_ms only
+        if stats.prefill_tokens > 0:  # the target forward also prefilled new prompts
+            self.cost.observe_mixed(b, g, stats.draft_ms, stats.verify_ms, stats.prefill_tokens)
+        elif stats.verify_ms > 0:
             self.cost.observe(b, g, stats.draft_ms, stats.verify_ms)
         if stats.catchup_tokens > 0:
             self.cost.observe_catchup(stats.catchup_tokens, stats.catchup_ms)
+        run = self.workers_lag.get(stats.worker_id, (0, 0.0))[0]
+        tokens_per_seq = stats.kv_blocks_used * self.settings.residency.block_tokens / b
+        self.workers_lag[stats.worker_id] = (run + 1 if g == 0 else 0, tokens_per_seq)
         tl = self.timelines[bucket_index(self.buckets, b)]
         tl.observe(b, g, stats.catchup_ms)
         tl.steps += 1
@@ -217,6 +232,20 @@ class NightjarPolicy(GammaPolicy):
         tl.predicted = float(loss[tl.arm])
         if tl.arm != old:
             self.switches += 1
+        for i, other in enumerate(self.timelines):
+            if other.steps == 0:  # never visited: start it at the model's choice, not the prior
+                other.arm = other.exploit_arm = int(np.argmin(self.losses(i)))
+
+    def _catchup_ms(self, batch: float) -> float:
+        """Expected draft catch-up if speculation turned on now: per-token cost × live lag.
+
+        Each sequence lags by the steps run at γ=0 (one token each), at most its context.
+        Optimistic (0) until a catch-up has been measured.
+        """
+        if not self.workers_lag:
+            return 0.0
+        lag = sum(min(run, ctx) for run, ctx in self.workers_lag.values()) / len(self.workers_lag)
+        return self.cost.catchup_ms_per_token() * batch * lag
 
     def _exploit_choice(self, tl: _Timeline, loss: np.ndarray) -> int:
         s = self.settings
@@ -226,9 +255,9 @@ class NightjarPolicy(GammaPolicy):
         if current == 0 and best > 0:
             # Turning speculation on costs a draft catch-up; amortise it over the next bin.
             sizes, weights = tl.support()
-            tokens = min(s.bin_max, s.bin_base << min(tl.block, 20)) * float(weights @ sizes)
-            tokens *= self.acceptance.expected_tokens()[best]
-            cost += self.cost.catchup_ms_per_event() / max(tokens, 1.0)
+            batch = float(weights @ sizes)
+            tokens = min(s.bin_max, s.bin_base << min(tl.block, 20)) * batch * self.acceptance.expected_tokens()[best]
+            cost += self._catchup_ms(batch) / max(tokens, 1.0)
         return best if cost < loss[current] else current
 
     def _probe_choice(self, tl: _Timeline, loss: np.ndarray) -> int | None:
@@ -245,8 +274,20 @@ class NightjarPolicy(GammaPolicy):
             if not near:
                 return None
             arm = min(near, key=lambda a: loss[a])
-            regret = loss[arm] / loss[base] - 1.0
-            eps = s.epsilon_min * min(1.0, 0.05 / max(regret, 1e-9))  # cheap probes more often
+            eps = s.epsilon_min
+        # Probe at full rate only while it is cheap: its predicted extra time (worse arm for one
+        # short bin, plus the catch-up when it turns the draft on) within probe_budget of the
+        # next exploit bin's time. At low load that holds, so γ>0 keeps being probed (no
+        # deadlock at γ=0); at high load a probe after a long γ=0 run is rare.
+        sizes, weights = tl.support()
+        batch = float(weights @ sizes)
+        expected = self.acceptance.expected_tokens()
+        extra = (loss[arm] - loss[base]) * s.bin_base * batch * expected[arm]
+        if base == 0 and arm > 0:
+            extra += self._catchup_ms(batch)
+        budget = s.probe_budget * min(s.bin_max, s.bin_base << min(tl.block, 20)) * batch * expected[base] * loss[base]
+        if extra > budget:
+            eps *= budget / extra
         return arm if self.rng.random() < eps else None
 
     # --- persistence ---------------------------------------------------------------------------

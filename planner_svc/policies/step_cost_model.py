@@ -106,11 +106,30 @@ class StepCostModel:
         self.catchup_ms_sum = 0.0
         self.catchup_tokens_sum = 0.0
         self.catchup_events = 0.0
+        self.prefill_ms_per_token = 0.0  # target prefill rows riding in a decode step, learned
+        self.prefill_seen = 0.0
 
     def observe(self, batch_size: int, gamma: int, draft_ms: float, verify_ms: float) -> None:
         self.verify.observe(batch_size * (gamma + 1), verify_ms)
         if gamma > 0:
             self.draft.observe(batch_size, draft_ms / gamma)
+
+    def observe_mixed(self, batch_size: int, gamma: int, draft_ms: float, verify_ms: float, prefill_tokens: int) -> None:
+        """A step whose target forward also prefilled new prompts (the engine mixes them).
+
+        verify_ms ≈ v(n) + c·prefill_tokens. Where v(n) is already known, the residual teaches c
+        (a running mean); once c is known, the step also teaches v(n) with c·prefill removed.
+        """
+        n = batch_size * (gamma + 1)
+        if gamma > 0:
+            self.draft.observe(batch_size, draft_ms / gamma)
+        cell = min(n, len(self.verify.weight) - 1)
+        if self.verify.weight[cell] >= 4:
+            per_token = max((verify_ms - self.verify.mean[cell]) / prefill_tokens, 0.0)
+            self.prefill_seen = min(self.prefill_seen + 1.0, self.settings.weight_cap)
+            self.prefill_ms_per_token += (per_token - self.prefill_ms_per_token) / self.prefill_seen
+        if self.prefill_seen >= 8:
+            self.verify.observe(n, max(verify_ms - self.prefill_ms_per_token * prefill_tokens, 0.0))
 
     def observe_catchup(self, tokens: int, ms: float) -> None:
         decay = 0.95  # switching costs drift with context length; keep ~20 events
@@ -145,10 +164,12 @@ class StepCostModel:
 
     def state_dict(self) -> dict[str, Any]:
         return {"verify": self.verify.state_dict(), "draft": self.draft.state_dict(),
-                "catchup": [self.catchup_ms_sum, self.catchup_tokens_sum, self.catchup_events]}
+                "catchup": [self.catchup_ms_sum, self.catchup_tokens_sum, self.catchup_events],
+                "prefill": [self.prefill_ms_per_token, self.prefill_seen]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.verify.load_state_dict(state.get("verify", {}))
         self.draft.load_state_dict(state.get("draft", {}))
         c = state.get("catchup", [0.0, 0.0, 0.0])
         self.catchup_ms_sum, self.catchup_tokens_sum, self.catchup_events = (float(x) for x in c)
+        self.prefill_ms_per_token, self.prefill_seen = (float(x) for x in state.get("prefill", [0.0, 0.0]))

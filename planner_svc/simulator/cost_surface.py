@@ -53,7 +53,7 @@ class CostSurface:
     """Precomputed per-(B, γ) times; build with ``roofline()`` or ``load_table()``."""
 
     def __init__(self, *, name: str, draft_ms: np.ndarray, verify_ms: np.ndarray, prefill_ms_per_token: float,
-                 draft_prefill_ratio: float, catchup_ms_fixed: float, catchup_ms_per_token: float,
+                 catchup_ms_fixed: float, catchup_ms_per_token: float,
                  acceptance: tuple[float, ...] | None = None) -> None:
         assert draft_ms.shape == verify_ms.shape and draft_ms.shape[0] >= 2  # [max_batch+1, γmax+1]
         self.name = name
@@ -62,7 +62,6 @@ class CostSurface:
         self.draft_ms = draft_ms.tolist()  # lists: indexing a list is faster than numpy in the loop
         self.verify_ms = verify_ms.tolist()
         self.prefill_ms_per_token = prefill_ms_per_token
-        self.draft_prefill_ratio = draft_prefill_ratio
         self.catchup_ms_fixed = catchup_ms_fixed
         self.catchup_ms_per_token = catchup_ms_per_token
         self.acceptance = acceptance  # conditional per-position α_i, when the table measured it
@@ -78,7 +77,7 @@ def roofline(gamma_max: int = 4, max_batch: int = 256, settings: RooflineSetting
     verify = s.overhead_ms + np.maximum(s.weights_ms, s.per_token_ms * b * (g + 1)) + s.kv_per_seq_ms * b
     draft = g * s.draft_ratio * (s.overhead_ms + np.maximum(s.weights_ms, s.per_token_ms * b))
     return CostSurface(name="roofline", draft_ms=draft, verify_ms=verify, prefill_ms_per_token=s.prefill_ms_per_token,
-                       draft_prefill_ratio=s.draft_ratio, catchup_ms_fixed=s.catchup_ms_fixed,
+                       catchup_ms_fixed=s.catchup_ms_fixed,
                        catchup_ms_per_token=s.catchup_ms_per_token)
 
 
@@ -133,7 +132,7 @@ def load_table(path: str | Path, max_batch: int = 256, draft_ratio: float = 1 / 
     acceptance = raw.get("acceptance_per_position")
     return CostSurface(
         name=str(raw.get("machine", Path(path).stem)), draft_ms=draft_all, verify_ms=step_all - draft_all,
-        prefill_ms_per_token=prefill, draft_prefill_ratio=draft_ratio,
+        prefill_ms_per_token=prefill,
         catchup_ms_fixed=float(raw.get("catchup_ms_fixed", 1.0)),
         catchup_ms_per_token=float(raw.get("catchup_ms_per_token", prefill * draft_ratio)),
         acceptance=conditional_acceptance(acceptance) if acceptance else None)

@@ -1,9 +1,12 @@
 """One simulated worker: continuous batching over a KV budget, speculative steps, draft residency.
 
 Per step (mirrors the engine): finish residency moves → admit queued requests that fit →
-γ = policy(batch) (0 while the draft is away) → draft catch-up if γ>0 and the draft is behind →
-draft γ passes + verify → accept (sampled) → emit → publish StepStats to the policy.
-Sequences live in numpy arrays (struct of arrays), so a step costs a handful of numpy calls.
+γ = policy(batch) (0 while the draft is away) → draft catch-up if γ>0 and the draft is behind
+(tokens decoded at γ=0, and new prompts: the draft prefills what it has not seen) → draft γ
+passes + one target forward (decode rows, plus the new prompts' prefill rows) → accept (sampled)
+→ emit → publish StepStats to the policy. verify_ms includes the prefill rows, as the engine's.
+Sequences live in one [5, max_batch] numpy array (request, remaining, context, draft lag,
+reserved), so a step costs a handful of numpy calls and finishing sequences is one compaction.
 
 KV model: a request reserves prompt + output + γmax lookahead tokens on admission (no
 preemption). Offloading the draft grows the pool by ``draft_kv_share`` after ``offload_ms``;
@@ -23,6 +26,26 @@ from planner_svc.simulator.acceptance_process import AcceptanceProcess
 from planner_svc.simulator.cost_surface import CostSurface
 
 
+REQ, REM, CTX, LAG, RESV = range(5)  # rows of SimWorker.seq
+
+
+class UniformBuffer:
+    """Uniform draws fetched from the generator in large blocks (one call per ~64k draws)."""
+
+    def __init__(self, rng: np.random.Generator, size: int = 1 << 16) -> None:
+        self.rng, self.size = rng, size
+        self.buf = rng.random(size)
+        self.pos = 0
+
+    def take(self, n: int) -> np.ndarray:
+        if self.pos + n > self.size:
+            self.buf = self.rng.random(max(self.size, n))
+            self.pos = 0
+        out = self.buf[self.pos: self.pos + n]
+        self.pos += n
+        return out
+
+
 class SimWorker:
     def __init__(self, worker_id: str, *, surface: CostSurface, acceptance: AcceptanceProcess, max_batch: int,
                  kv_tokens: int, draft_kv_share: float, block_tokens: int, offload_ms: float, reload_ms: float,
@@ -36,17 +59,12 @@ class SimWorker:
         self.pool = kv_tokens
         self.clock = 0.0
         self.n = 0  # live sequences
-        self.req = np.zeros(max_batch, dtype=np.int64)  # request index
-        self.rem = np.zeros(max_batch, dtype=np.int64)  # output tokens still to emit
-        self.ctx = np.zeros(max_batch, dtype=np.int64)  # tokens in the target's KV
-        self.lag = np.zeros(max_batch, dtype=np.int64)  # tokens missing from the draft's KV
-        self.resv = np.zeros(max_batch, dtype=np.int64)  # reserved KV tokens
+        self.seq = np.zeros((5, max_batch), dtype=np.int64)  # rows REQ, REM, CTX, LAG, RESV
         self.reserved = 0
-        self.residency = RESIDENT  # resident | offloading | offloaded | reloading (+ waiting to fit)
+        self.residency = RESIDENT  # resident | offloading | offloaded | reloading
         self.move_done_ms = 0.0
-        self.reload_wanted = False
+        self.reload_wanted = False  # a reload waits until the used KV fits the smaller pool
         self.last_gamma = -1
-        self.steps = 0
         self.switches = 0
         self.offloads = 0
         self.reloads = 0
@@ -64,7 +82,7 @@ class SimWorker:
             self.reload_wanted = False
         elif self.residency == "reloading" and now >= self.move_done_ms:
             self.residency = RESIDENT
-            self.lag[: self.n] = self.ctx[: self.n]  # the draft's KV was dropped: rebuild it all
+            self.seq[LAG, : self.n] = self.seq[CTX, : self.n]  # the draft's KV was dropped: rebuild it all
 
     def direct(self, residency: str, now: float) -> None:
         if residency == OFFLOADED and self.residency == RESIDENT:
@@ -74,98 +92,97 @@ class SimWorker:
             self.reload_wanted = True
             self.reloads += 1
 
-    def step(self, queue: deque, trace_prompt: np.ndarray, trace_output: np.ndarray, policy: GammaPolicy,
-             rng: np.random.Generator, noise: float, first_token_ms: np.ndarray, done_ms: np.ndarray) -> bool:
+    def step(self, queue: deque, prompt: list[int], output: list[int], policy: GammaPolicy,
+             uniforms: UniformBuffer, noise: float, first_token_ms: np.ndarray, done_ms: np.ndarray) -> bool:
         """Run one step at ``self.clock``; False when there is nothing to do (caller advances time)."""
         now = self.clock
-        self._residency_tick(now)
+        if self.residency != RESIDENT or self.reload_wanted:
+            self._residency_tick(now)
         n = batch = self.n  # decode batch: sequences already past their prefill
         surface = self.surface
         # admit: FCFS while there is a batch slot and KV room (not while a reload waits to fit)
         new = []
-        while queue and n + len(new) < self.max_batch and not self.reload_wanted:
-            r = queue[0]
-            need = int(trace_prompt[r] + trace_output[r]) + self.gamma_max
-            if self.reserved + need > self.pool:
-                break
-            queue.popleft()
-            self.reserved += need
-            new.append((r, need))
+        if queue and not self.reload_wanted:
+            slots = self.max_batch - n
+            while queue and len(new) < slots:
+                r = queue[0]
+                need = prompt[r] + output[r] + self.gamma_max
+                if self.reserved + need > self.pool:
+                    break
+                queue.popleft()
+                self.reserved += need
+                new.append(r)
         if n == 0 and not new:
             return False
         gamma = 0
         draft_ms = verify_ms = catchup_ms = 0.0
-        catchup_tokens = 0
-        accepted = ()
-        emitted = 0
+        catchup_tokens = emitted = 0
+        accepted: tuple[int, ...] = ()
+        seq = self.seq
         if n:
-            if self.draft_ready:
+            if self.residency == RESIDENT:
                 gamma = min(policy.select(Context(n, self.id)).gamma, self.gamma_max)
             draft_ms = surface.draft_ms[n][gamma]
             verify_ms = surface.verify_ms[n][gamma]
             if noise:
-                f = 1.0 + noise * (2.0 * rng.random(2) - 1.0)
-                draft_ms *= f[0]
-                verify_ms *= f[1]
-            rem, lag, ctx = self.rem[:n], self.lag[:n], self.ctx[:n]
+                f = uniforms.take(2)
+                draft_ms *= 1.0 + noise * (2.0 * f[0] - 1.0)
+                verify_ms *= 1.0 + noise * (2.0 * f[1] - 1.0)
+            live = seq[:, :n]  # [5, n] view
             if gamma:
-                catchup_tokens = int(lag.sum())
+                catchup_tokens = int(live[LAG].sum())
                 if catchup_tokens:
                     catchup_ms = surface.catchup_ms_fixed + surface.catchup_ms_per_token * catchup_tokens
-                    lag[:] = 0
-                got = self.acceptance.sample(rng, n, gamma)  # [n]
+                    live[LAG] = 0
+                got = np.searchsorted(self.acceptance.cdf[gamma], uniforms.take(n), side="right")  # [n] in 0..γ
                 counts = np.bincount(got, minlength=gamma + 1)  # [γ+1]
-                accepted = tuple((n - np.cumsum(counts)[:-1]).tolist())  # sequences accepting position i
-                out = np.minimum(got + 1, rem)
+                accepted = tuple((n - np.cumsum(counts[:-1])).tolist())  # sequences accepting position i
+                out = np.minimum(got + 1, live[REM])
+                emitted = int(out.sum())
             else:
-                out = np.minimum(1, rem)
-                lag += out
-            rem -= out
-            ctx += out
-            emitted = int(out.sum())
+                out = np.minimum(live[REM], 1)
+                emitted = int(out.sum())
+                live[LAG] += out
+            live[REM] -= out
+            live[CTX] += out
             if gamma != self.last_gamma:
                 self.switches += self.last_gamma >= 0
                 self.last_gamma = gamma
-        prefill_tokens = 0
-        for r, _ in new:
-            prefill_tokens += int(trace_prompt[r])
-        prefill_ms = surface.prefill_ms_per_token * prefill_tokens
-        draft_prefill = gamma > 0  # the draft only runs (and prefills) in speculative steps
-        if draft_prefill:
-            prefill_ms *= 1.0 + surface.draft_prefill_ratio
-        step_ms = draft_ms + verify_ms + catchup_ms + prefill_ms
+        prefill_tokens = sum(prompt[r] for r in new)
+        # New prompts ride in the same target forward as the decode rows (as in the engine), so
+        # their time is part of verify_ms; the draft sees them at its next speculative step.
+        verify_ms += surface.prefill_ms_per_token * prefill_tokens
+        step_ms = draft_ms + verify_ms + catchup_ms
         end = now + step_ms
         self.clock = end
         if n:
-            finished = self.rem[:n] <= 0
+            finished = seq[REM, :n] <= 0
             if finished.any():
-                done_ms[self.req[:n][finished]] = end
-                keep = ~finished
-                k = int(keep.sum())
-                self.reserved -= int(self.resv[:n][finished].sum())
-                for arr in (self.req, self.rem, self.ctx, self.lag, self.resv):
-                    arr[:k] = arr[:n][keep]
-                n = k
-        for r, need in new:
+                done = seq[:, :n][:, finished]  # [5, f]
+                done_ms[done[REQ]] = end
+                self.reserved -= int(done[RESV].sum())
+                keep = seq[:, :n][:, ~finished]  # [5, k]
+                n = keep.shape[1]
+                seq[:, :n] = keep
+        for r in new:
             first_token_ms[r] = end
-            left = int(trace_output[r]) - 1
+            left = output[r] - 1
+            need = prompt[r] + output[r] + self.gamma_max
             if left <= 0:
                 done_ms[r] = end
                 self.reserved -= need
                 continue
-            self.req[n], self.rem[n], self.ctx[n], self.resv[n] = r, left, trace_prompt[r] + 1, need
-            self.lag[n] = 1 if draft_prefill else trace_prompt[r] + 1
+            seq[:, n] = (r, left, prompt[r] + 1, prompt[r] + 1, need)  # draft lag: the whole prompt
             n += 1
         self.n = n
         if batch:  # a prefill-only step carries no decode measurement
             self.step_no += 1
-            stats = StepStats(
+            policy.update(StepStats(
                 worker_id=self.id, step=self.step_no, unix_ms=int(end), batch_size=batch, gamma=gamma,
                 draft_ms=draft_ms, verify_ms=verify_ms, step_ms=step_ms, accepted_per_position=accepted,
                 emitted_tokens=emitted, prefill_tokens=prefill_tokens, catchup_tokens=catchup_tokens,
                 catchup_ms=catchup_ms, kv_blocks_used=-(-self.reserved // self.block_tokens),
                 kv_blocks_free=max(self.pool - self.reserved, 0) // self.block_tokens, waiting=len(queue),
-                draft_residency=self.residency)
-            policy.update(stats)
+                draft_residency=self.residency))
             self.direct(policy.residency_for(self.id), end)
         return True

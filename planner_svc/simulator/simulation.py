@@ -16,7 +16,7 @@ import numpy as np
 from planner_svc.policies.base import GammaPolicy
 from planner_svc.simulator.acceptance_process import DEFAULT_ALPHAS, AcceptanceProcess
 from planner_svc.simulator.cost_surface import CostSurface
-from planner_svc.simulator.sim_worker import SimWorker
+from planner_svc.simulator.sim_worker import SimWorker, UniformBuffer
 from planner_svc.simulator.trace import Trace
 
 
@@ -99,9 +99,10 @@ def simulate(trace: Trace, policy: GammaPolicy, surface: CostSurface, config: Si
                          block_tokens=config.block_tokens, offload_ms=config.offload_ms,
                          reload_ms=config.reload_ms, gamma_max=config.gamma_max) for i in range(config.workers)]
     arrivals = trace.arrival_ms
-    prompt = trace.prompt_tokens
     # A request longer than one worker's pool could never be admitted: clip it to fit.
-    output = np.minimum(trace.output_tokens, config.kv_tokens - prompt - config.gamma_max).clip(1)
+    output_arr = np.minimum(trace.output_tokens, config.kv_tokens - trace.prompt_tokens - config.gamma_max).clip(1)
+    prompt, output = trace.prompt_tokens.tolist(), output_arr.tolist()  # lists: fast scalar reads
+    uniforms = UniformBuffer(rng)
     total = len(arrivals)
     first = np.full(total, np.nan)
     done = np.full(total, np.nan)
@@ -116,7 +117,7 @@ def simulate(trace: Trace, policy: GammaPolicy, surface: CostSurface, config: Si
         while nxt < total and arrivals[nxt] <= w.clock:
             queue.append(nxt)
             nxt += 1
-        if not w.step(queue, prompt, output, policy, rng, config.noise, first, done):
+        if not w.step(queue, prompt, output, policy, uniforms, config.noise, first, done):
             if nxt < total:
                 w.clock = max(w.clock, float(arrivals[nxt]))
             elif queue:
@@ -125,7 +126,7 @@ def simulate(trace: Trace, policy: GammaPolicy, surface: CostSurface, config: Si
                 w.clock = np.inf  # nothing left for this worker
     assert not np.isnan(done).any()  # every request finished
     return SimResult(
-        trace=trace.name, policy=policy.name, requests=total, output_tokens=int(output.sum()),
+        trace=trace.name, policy=policy.name, requests=total, output_tokens=int(output_arr.sum()),
         makespan_ms=float(done.max() - arrivals[0]), steps=sum(w.step_no for w in workers),
         switches=sum(w.switches for w in workers), offloads=sum(w.offloads for w in workers),
         reloads=sum(w.reloads for w in workers), latency_ms=done - arrivals, ttft_ms=first - arrivals)

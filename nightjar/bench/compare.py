@@ -1,0 +1,305 @@
+"""Compare: the same workloads against a freshly started stack per policy, side by side.
+
+Every policy gets a new ``Stack`` (embedded Redis, gateway, scheduler, planner ``--policy``,
+workers) with the same seed, workloads, models and memory budget, is warmed up with two short
+requests, and then runs the workloads in the same order; the stack drains between workloads.
+
+Calibration (``calibrate``) runs first on its own stack without a planner, publishing fixed
+policies itself: γ = 0…γmax one request at a time (the γ that is best at batch 1 is what
+standard speculative decoding would run), then a saturating burst at γ = 0 that measures the
+capacity the workloads' loads are relative to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from nightjar.bench import report
+from nightjar.bench.loadgen import LoadConfig, LoadResult, model_info, run_load
+from nightjar.bench.probe import StackProbe, summarize_steps
+from nightjar.bench.workload import LengthScale, PromptBank, Workload, build
+from nightjar.keys import Keys
+from nightjar.messages import Policy
+from nightjar.stack import Stack, StackConfig
+from planner_svc.simulator.trace import synthetic_lengths
+
+
+PLANNER_GAMMA_MAX = 4  # planner_svc's default --gamma-max: a fixed:G above it would be refused
+
+
+def kind_of(spec: str) -> str:
+    """How a workload counts for the goals: dynamic, low (steady), overload (steady) or sweep."""
+    if spec.startswith("poisson:"):
+        rho = float(spec.split(":", 1)[1])
+        return "low" if rho <= 0.5 else "overload" if rho >= 1.0 else "steady"
+    if spec.startswith("rates:"):
+        return "sweep"
+    return "dynamic"
+
+
+@dataclass(frozen=True)
+class WorkloadPlan:
+    spec: str
+    duration_s: float
+
+    @property
+    def kind(self) -> str:
+        return kind_of(self.spec)
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    policies: tuple[str, ...]
+    workloads: tuple[WorkloadPlan, ...]
+    out_dir: Path
+    seed: int = 0
+    scale: LengthScale = LengthScale()
+    drain_timeout_s: float = 30.0
+    kv_budget_bytes: int | None = None  # the worker's KV budget (the memory overload scenario's)
+    worker_args: tuple[str, ...] = ()
+    planner_args: tuple[str, ...] = ()
+    workers: int = 1
+    # torch threads per worker. 1, not cores ÷ workers: on a shared 2-core machine two OpenMP
+    # threads that wait on each other's barrier made a step 13× slower (measured: 25 ms -> 340 ms).
+    worker_threads: int = 1
+    capacity_rps: float | None = None  # skip the capacity probe
+    fixed_gamma: int | None = None  # skip the batch-1 γ probe
+    gamma_probe_tokens: int = 16
+    capacity_probe_requests: int = 24
+    capacity_probe_s: float = 25.0  # the saturating burst is cut off after this (its rate is what counts)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.policies:
+            raise ValueError("give at least one --policies entry")
+        if not self.workloads:
+            raise ValueError("give at least one --workloads entry")
+        if self.capacity_rps is not None and not self.capacity_rps > 0:
+            raise ValueError(f"--capacity-rps must be > 0, got {self.capacity_rps}")
+
+    def stack_config(self, policy: str, log_dir: Path, planner: bool = True) -> StackConfig:
+        args = list(self.worker_args)
+        if self.kv_budget_bytes:
+            args += ["--kv-budget-bytes", str(self.kv_budget_bytes)]
+        # Same exploration seed for every learning policy, so a rerun repeats its choices.
+        planner_args = ("--seed", str(self.seed), *self.planner_args)
+        return StackConfig(port=0, workers=self.workers, policy=policy, planner=planner, worker_args=tuple(args),
+                           worker_threads=self.worker_threads,
+                           planner_args=planner_args, log_dir=log_dir, log_level="WARNING")
+
+
+def resolve_policy(spec: str, fixed_gamma: int) -> str:
+    """Policy specs may say ``G`` for the calibrated best γ at batch 1 (``fixed:G``, ``threshold:4:G``)."""
+    return spec.replace(":G", f":{fixed_gamma}")
+
+
+# --------------------------------------------------------------------------- one run
+
+
+async def run_on_stack(stack: Stack, workload: Workload, prompts: list[str], cfg: CompareConfig, label: str) -> tuple[LoadResult, dict]:
+    probe = StackProbe(stack.redis_url, stack.cfg.key_prefix)
+    try:
+        await probe.start()
+        load_cfg = LoadConfig(target=stack.address, max_duration_s=workload.duration_s, drain_timeout_s=cfg.drain_timeout_s,
+                              seed=cfg.seed, progress=cfg.progress, label=label)
+        result = await run_load(workload, prompts, load_cfg, probe=probe)
+        await probe.read_steps()
+        return result, summarize_steps(probe.steps)
+    finally:
+        await probe.close()
+
+
+async def wait_idle(stack: Stack, timeout_s: float = 30.0) -> bool:
+    """Until every worker reports nothing running or waiting (the previous run's stragglers)."""
+    probe = StackProbe(stack.redis_url, stack.cfg.key_prefix)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            hbs = await probe.heartbeats()
+            if hbs and all(h.running == 0 and h.waiting == 0 for h in hbs):
+                return True
+            await asyncio.sleep(0.5)
+        return False
+    finally:
+        await probe.close()
+
+
+def _fixed_workload(n: int, prompt_tokens: int, output_tokens: int, gap_s: float = 0.0) -> Workload:
+    return Workload("fixed", np.arange(n) * gap_s, np.full(n, prompt_tokens), np.full(n, output_tokens), max(n * gap_s, 1.0), 1.0)
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+async def _publish(stack: Stack, gamma: int, version: int) -> None:
+    import redis.asyncio as aioredis
+
+    keys = Keys(stack.cfg.key_prefix)
+    pol = Policy(version=version, unix_ms=int(time.time() * 1000), ttl_s=3600.0, bucket_upper_bounds=(1,),
+                 gamma_by_bucket=(gamma,), name=f"bench-calibration-{gamma}")
+    r = aioredis.Redis.from_url(stack.redis_url)
+    try:
+        await r.set(keys.policy, pol.encode())
+        await r.publish(keys.policy_channel, pol.encode())
+    finally:
+        await r.aclose()
+
+
+async def probe_gamma(stack: Stack, cfg: CompareConfig, bank: PromptBank, gamma_max: int) -> dict:
+    """The γ that decodes one request fastest; needs a stack without a planner (it publishes)."""
+    out: dict = {"gamma_probe": {}, "notes": []}
+    rng = np.random.default_rng(cfg.seed)
+    best, best_tps = 0, -1.0
+    for g in range(min(gamma_max, PLANNER_GAMMA_MAX) + 1):
+        await _publish(stack, g, version=1000 + g)
+        await asyncio.sleep(1.5)  # the worker follows the policy channel; let it switch
+        wl = _fixed_workload(1, 32, cfg.gamma_probe_tokens)
+        tps_runs = []
+        for rep in range(2):
+            res, steps = await run_on_stack(stack, wl, [bank.text(32, rng)], _quiet(cfg), f"γ={g}#{rep}")
+            rec = res.records[0]
+            if rec.ok and rec.e2e_s:
+                tps_runs.append(rec.completion_tokens / rec.e2e_s)
+        tps = float(np.mean(tps_runs)) if tps_runs else 0.0
+        out["gamma_probe"][g] = {"tokens_per_s": tps, "acceptance": steps.get("acceptance"),
+                                 "spec_step_share": steps.get("spec_step_share"), "mean_batch": steps.get("mean_batch")}
+        if g > 0 and not steps.get("spec_step_share"):
+            out["notes"].append(f"γ={g} was published but no step ran with γ > 0: the worker did not follow the policy")
+        if tps > best_tps:
+            best, best_tps = g, tps
+    out["fixed_gamma"] = int(best)
+    out["gamma_probe_note"] = "batch-1 decode speed per γ, one request at a time, two repeats"
+    await _publish(stack, 0, version=2000)  # the capacity probe that may follow runs at γ = 0
+    await asyncio.sleep(1.5)
+    return out
+
+
+async def probe_capacity(stack: Stack, cfg: CompareConfig, bank: PromptBank) -> dict:
+    """Saturated request rate: a burst of requests at once, cut off after ``capacity_probe_s``."""
+    out: dict = {}
+    # A saturating burst with the workloads' own length mix.
+    p, o = synthetic_lengths(np.random.default_rng(cfg.seed + 1), cfg.capacity_probe_requests)
+    p, o = cfg.scale.apply(p, o)
+    wl = Workload("capacity-probe", np.zeros(len(p)), p, o, 1.0, 1.0)
+    probe_cfg = replace(cfg, progress=False, drain_timeout_s=cfg.capacity_probe_s)
+    res, steps = await run_on_stack(stack, wl, bank.texts(wl, cfg.seed), probe_cfg, "capacity")
+    s = report.summarize(res, steps)
+    mix_p, mix_o = cfg.scale.apply(*synthetic_lengths(np.random.default_rng(0), 20000))
+    # Saturated token rate: the samples while at least half the burst was still in flight.
+    busy = [x["tokens_per_s"] for x in res.samples if x["in_flight"] >= len(p) // 2]
+    tps = float(np.mean(busy)) if busy else s["tokens_per_s"]
+    capacity = tps / float(mix_o.mean())
+    out["capacity_probe"] = {"saturated_tokens_per_s": tps, "makespan_tokens_per_s": s["tokens_per_s"],
+                             "mean_output_tokens": float(mix_o.mean()), "mean_prompt_tokens": float(mix_p.mean()),
+                             "mean_batch": steps.get("mean_batch"), "gamma_share": steps.get("spec_step_share"),
+                             "requests": len(p)}
+    out["capacity_rps"] = float(capacity)
+    return out
+
+
+def _quiet(cfg: CompareConfig) -> CompareConfig:
+    return replace(cfg, progress=False)
+
+
+# --------------------------------------------------------------------------- the comparison
+
+
+@dataclass
+class Comparison:
+    cfg: CompareConfig
+    calibration: dict = field(default_factory=dict)
+    runs: list[dict] = field(default_factory=list)
+    samples: dict[str, list[dict]] = field(default_factory=dict)  # "policy|workload" -> timeline
+    stack_start_s: dict[str, float] = field(default_factory=dict)
+    started_unix: float = 0.0
+
+    def payload(self) -> dict:
+        kinds = {w.spec: w.kind for w in self.cfg.workloads}
+        return {"config": {"policies": self.cfg.policies, "workloads": [(w.spec, w.duration_s) for w in self.cfg.workloads],
+                           "seed": self.cfg.seed, "scale": self.cfg.scale.__dict__, "kv_budget_bytes": self.cfg.kv_budget_bytes,
+                           "drain_timeout_s": self.cfg.drain_timeout_s, "workers": self.cfg.workers,
+                           "worker_threads": self.cfg.worker_threads, "worker_args": self.cfg.worker_args},
+                "started_unix": self.started_unix, "calibration": self.calibration, "stack_start_s": self.stack_start_s,
+                "runs": self.runs, "goals": report.goal_rows(self.runs, kinds), "samples": self.samples}
+
+
+def run_comparison(cfg: CompareConfig, log=print) -> Comparison:
+    return asyncio.run(_run_comparison(cfg, log))
+
+
+class _Running:
+    """A Stack started and stopped off the event loop (both block for seconds)."""
+
+    def __init__(self, cfg: StackConfig) -> None:
+        self.stack = Stack(cfg)
+
+    async def __aenter__(self) -> Stack:
+        await asyncio.to_thread(self.stack.start)
+        return self.stack
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.stack.stop)
+
+
+async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
+    cmp = Comparison(cfg, started_unix=time.time())
+    bank = PromptBank()
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    cal: dict = {"notes": [], "fixed_gamma": cfg.fixed_gamma, "capacity_rps": cfg.capacity_rps}
+    if cfg.fixed_gamma is None:
+        # γ probe (and the capacity at γ = 0) on a stack without a planner: the bench publishes.
+        async with _Running(cfg.stack_config("off", cfg.out_dir / "logs" / "calibration", planner=False)) as stack:
+            info = await model_info(stack.address)
+            log(f"calibrating on {stack.address} (model {info.model}, draft {info.draft_model or 'none'}, γmax {info.gamma_max})")
+            g = await probe_gamma(stack, cfg, bank, info.gamma_max)
+            cal["notes"] += g.pop("notes")
+            cal.update(g)
+            if cfg.capacity_rps is None:
+                cal.update(await probe_capacity(stack, cfg, bank))
+    cmp.calibration = cal
+    workloads: list[Workload] = []
+    prompts: list[list[str]] = []
+
+    def plan_workloads() -> None:
+        cap = cal["capacity_rps"]
+        log(f"capacity {cap:.3f} req/s; best γ at batch 1: {cal['fixed_gamma']}")
+        workloads[:] = [build(w.spec, cap, w.duration_s, seed=cfg.seed, scale=cfg.scale) for w in cfg.workloads]
+        prompts[:] = [bank.texts(wl, cfg.seed) for wl in workloads]
+
+    if cal["capacity_rps"] is not None:
+        plan_workloads()
+    gamma = cal["fixed_gamma"]
+    warm_text = bank.text(16, np.random.default_rng(1))
+    for spec in cfg.policies:
+        policy = resolve_policy(spec, gamma)
+        t0 = time.monotonic()
+        safe = policy.replace(":", "_").replace(",", "_").replace("=", "-")
+        async with _Running(cfg.stack_config(policy, cfg.out_dir / "logs" / safe)) as stack:
+            cmp.stack_start_s[policy] = time.monotonic() - t0
+            if not workloads:  # γ was given: measure the capacity on the first policy's stack
+                cal.update(await probe_capacity(stack, cfg, bank))
+                cal["notes"].append(f"capacity measured under policy {policy}")
+                plan_workloads()
+            await run_on_stack(stack, _fixed_workload(2, 16, 8), [warm_text] * 2, _quiet(cfg), "warmup")
+            for plan, wl, texts in zip(cfg.workloads, workloads, prompts):
+                if not await wait_idle(stack):
+                    log(f"policy {policy}: the stack was still busy after 30 s; starting {plan.spec} anyway")
+                log(f"policy {policy}: workload {plan.spec} ({len(wl)} requests over {plan.duration_s:.0f} s)")
+                result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | {plan.spec}")
+                run = report.summarize(result, steps)
+                run.update(policy=policy, kind=plan.kind)
+                cmp.runs.append(run)
+                cmp.samples[f"{policy}|{plan.spec}"] = result.samples
+                report.write_json(cfg.out_dir / "results.json", cmp.payload())
+    return cmp
+
+
+def load_calibration(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    return data.get("calibration", data)

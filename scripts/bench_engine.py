@@ -1,0 +1,182 @@
+"""Autoregressive throughput of the engine vs transformers, side by side in one run.
+
+    .venv/bin/python scripts/bench_engine.py [--concurrency 1,4,16,64] [--threads 1] [--profile]
+
+Workload: held-out prompts (models/prompts.jsonl, cut to --prompt-tokens) with mixed output
+lengths (cycling --lengths), EOS ignored so every system produces exactly the same tokens.
+For each concurrency c:
+  engine       c requests in flight (closed loop: a finished one is replaced at once)
+  hf-single    transformers generate(do_sample=False), one request at a time
+  hf-padded    transformers generate on left-padded batches of c (a batch runs to its longest
+               request; only the requested tokens count)
+Tokens/s = requested completion tokens / wall seconds, prefill included for everyone.
+--profile adds the batch-1 decode breakdown (torch.profiler) and the physical floor
+(weight bytes / measured memory bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from nightjar.messages import SamplingParams  # noqa: E402
+from worker.config import EngineConfig  # noqa: E402
+from worker.engine import Engine, EngineRequest  # noqa: E402
+
+
+def load_workload(tok, n: int, prompt_tokens: int, lengths: list[int]) -> list[tuple[list[int], int]]:
+    texts = [json.loads(x)["text"] for x in (ROOT / "models" / "prompts.jsonl").read_text().splitlines() if x.strip()]
+    out = []
+    for i in range(n):
+        ids = tok(texts[i % len(texts)], add_special_tokens=False)["input_ids"][:prompt_tokens] or [1]
+        out.append((ids, lengths[i % len(lengths)]))
+    return out
+
+
+def run_engine(eng: Engine, work, concurrency: int) -> float:
+    pending = list(enumerate(work))
+    in_flight = 0
+    t0 = time.perf_counter()
+    while pending or eng.has_unfinished():
+        while pending and in_flight < concurrency:
+            i, (ids, n) = pending.pop(0)
+            eng.add_request(EngineRequest(f"b{i}", ids, SamplingParams(max_tokens=n, ignore_eos=True)))
+            in_flight += 1
+        for o in eng.step():
+            in_flight -= o.finished
+    return time.perf_counter() - t0
+
+
+def run_hf(model, work, batch: int) -> float:
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for s in range(0, len(work), batch):
+            group = work[s:s + batch]
+            width = max(len(ids) for ids, _ in group)
+            ids = torch.zeros(len(group), width, dtype=torch.long)
+            mask = torch.zeros(len(group), width, dtype=torch.long)
+            for r, (p, _) in enumerate(group):  # left padding
+                ids[r, width - len(p):] = torch.tensor(p)
+                mask[r, width - len(p):] = 1
+            n = max(k for _, k in group)
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0)
+    return time.perf_counter() - t0
+
+
+def memory_bandwidth_gbs() -> float:
+    """Read+write bandwidth of a plain 256 MiB tensor copy (best of 5)."""
+    a = torch.empty(64 * 1024 * 1024, dtype=torch.float32).fill_(1.0)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t)
+    return 2 * a.numel() * 4 / best / 1e9
+
+
+def profile_batch1(eng: Engine, work) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    ids, _ = work[0]
+    eng.add_request(EngineRequest("prof", ids, SamplingParams(max_tokens=80, ignore_eos=True)))
+    for _ in range(8):  # prefill + warm decode
+        eng.step()
+    steps = 40
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            eng.step()
+    wall_ms = (time.perf_counter() - t) / steps * 1e3
+    while eng.has_unfinished():
+        eng.step()
+    t = time.perf_counter()
+    eng.add_request(EngineRequest("prof2", ids, SamplingParams(max_tokens=48, ignore_eos=True)))
+    eng.step()
+    t_pref = time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+    per_token_ms = (time.perf_counter() - t_pref) / 47 * 1e3
+    groups: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if not ev.key.startswith("aten::") or ev.key in ("aten::empty", "aten::empty_strided"):
+            continue
+        name = {"aten::linear": "matmul", "aten::addmm": "", "aten::mm": "", "aten::matmul": "",
+                "aten::scaled_dot_product_attention": "attention", "aten::index_select": "kv gather",
+                "aten::index_copy_": "kv write", "aten::rms_norm": "rmsnorm"}.get(ev.key, "other ops")
+        if name:
+            groups[name] = groups.get(name, 0.0) + ev.self_cpu_time_total / 1e3 / steps
+    # linear's own self time excludes its addmm/mm children: fold them in
+    for child in ("aten::addmm", "aten::mm"):
+        for ev in prof.key_averages():
+            if ev.key == child:
+                groups["matmul"] = groups.get("matmul", 0.0) + ev.self_cpu_time_total / 1e3 / steps
+    weight_bytes = eng.runner.model.weight_bytes
+    bw = memory_bandwidth_gbs()
+    return {"per_token_ms": per_token_ms, "profiled_step_ms": wall_ms, "weight_bytes": weight_bytes,
+            "bandwidth_gbs": bw, "floor_ms": weight_bytes / (bw / 2) / 1e6,  # floor: read weights once (copy bw counts r+w)
+            "breakdown_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1]))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(ROOT / "models" / "tiny-target"))
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--lengths", default="16,32,48,64,24,40")
+    ap.add_argument("--requests", type=int, default=0, help="requests per level (default max(12, 2c))")
+    ap.add_argument("--single-requests", type=int, default=12, help="requests for hf-single (a rate)")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--json", default="", help="also write the results here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    eng = Engine(EngineConfig(target_path=args.target, num_threads=args.threads, max_running=64))
+    hf = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    levels = [int(x) for x in args.concurrency.split(",")]
+    warm = load_workload(eng.tokenizer, 2, args.prompt_tokens, [8])
+    run_engine(eng, warm, 2)
+    run_hf(hf, warm, 2)
+    single_work = load_workload(eng.tokenizer, args.single_requests, args.prompt_tokens, lengths)
+    hf_single_tps = sum(n for _, n in single_work) / run_hf(hf, single_work, 1)
+    rows = []
+    print(f"threads={args.threads}  hf-single: {hf_single_tps:.1f} tok/s ({args.single_requests} requests)")
+    print(f"{'conc':>5} {'requests':>8} {'engine tok/s':>13} {'hf-single':>10} {'hf-padded':>10} "
+          f"{'x single':>9} {'x padded':>9}")
+    for c in levels:
+        work = load_workload(eng.tokenizer, args.requests or max(12, 2 * c), args.prompt_tokens, lengths)
+        tokens = sum(n for _, n in work)
+        e = tokens / run_engine(eng, work, c)
+        p = tokens / run_hf(hf, work, c) if c > 1 else hf_single_tps
+        row = {"concurrency": c, "requests": len(work), "engine_tps": e, "hf_single_tps": hf_single_tps,
+               "hf_padded_tps": p, "x_single": e / hf_single_tps, "x_padded": e / p}
+        rows.append(row)
+        print(f"{c:>5} {len(work):>8} {e:>13.1f} {hf_single_tps:>10.1f} {p:>10.1f} {row['x_single']:>9.2f} "
+              f"{row['x_padded']:>9.2f}", flush=True)
+    result = {"threads": args.threads, "rows": rows}
+    if args.profile:
+        prof = profile_batch1(eng, single_work)
+        result["profile"] = prof
+        print(f"\nbatch-1 decode: {prof['per_token_ms']:.2f} ms/token; floor {prof['floor_ms']:.2f} ms "
+              f"({prof['weight_bytes'] / 1e6:.1f} MB weights / {prof['bandwidth_gbs'] / 2:.1f} GB/s read bandwidth)")
+        print(f"profiled step {prof['profiled_step_ms']:.2f} ms, by op (ms/step): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in prof["breakdown_ms"].items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

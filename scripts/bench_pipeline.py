@@ -1,0 +1,163 @@
+"""Pipeline overhead: the same requests through the whole stack vs the engine in-process.
+
+    .venv/bin/python scripts/bench_pipeline.py [--streams 32] [--max-tokens 32] [--rounds 3]
+
+One run, side by side, alternating engine and stack rounds so that load from elsewhere hits
+both alike:
+- TTFT: single requests one at a time; the stack's time to first token (client-side, gRPC
+  over loopback) minus the engine's (add_request -> first token, same thread). p50 of the
+  difference is the pipeline's added TTFT (goal <= 5 ms).
+- Throughput: ``--streams`` concurrent greedy streams of exactly ``--max-tokens`` tokens
+  (ignore_eos); completion tokens per second through the stack / in-process (goal >= 0.95).
+Both sides run the same engine settings (γ policy, torch threads) on the shipped models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from nightjar import paths  # noqa: E402
+
+
+def prompts(n: int, chars: int) -> list[str]:
+    import json
+
+    texts = [json.loads(line)["text"][:chars] for line in paths.HELDOUT_PROMPTS.read_text().splitlines() if line.strip()]
+    return [t for t in texts if t.strip()][:n]
+
+
+class InProcess:
+    """The engine driven directly, as a caller without the pipeline would."""
+
+    def __init__(self, target: Path, draft: Path | None, threads: int, gamma: int) -> None:
+        from worker.config import EngineConfig
+        from worker.engine import Engine
+
+        self.eng = Engine(EngineConfig(target_path=str(target), draft_path=str(draft) if draft else None,
+                                       num_threads=threads, default_gamma=gamma if draft else 0))
+        self.tok = self.eng.tokenizer
+        self.n = 0
+
+    def _req(self, text: str, max_tokens: int):
+        from nightjar.messages import SamplingParams
+        from worker.engine import EngineRequest
+
+        self.n += 1
+        return EngineRequest(f"b{self.n}", self.tok.encode(text), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+    def ttft_ms(self, text: str, max_tokens: int) -> float:
+        t0 = time.perf_counter()
+        self.eng.add_request(self._req(text, max_tokens))
+        first = None
+        while self.eng.has_unfinished():
+            for o in self.eng.step():
+                if first is None and o.new_token_ids:
+                    first = time.perf_counter()
+        return (first - t0) * 1000
+
+    def throughput(self, texts: list[str], max_tokens: int) -> float:
+        t0 = time.perf_counter()
+        for t in texts:
+            self.eng.add_request(self._req(t, max_tokens))
+        tokens = 0
+        while self.eng.has_unfinished():
+            tokens += sum(len(o.new_token_ids) for o in self.eng.step())
+        return tokens / (time.perf_counter() - t0)
+
+
+class ThroughStack:
+    def __init__(self, address: str) -> None:
+        import grpc
+
+        from nightjar.v1 import inference_pb2 as pb
+        from nightjar.v1 import inference_pb2_grpc as pb_grpc
+
+        self.pb = pb
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = pb_grpc.InferenceServiceStub(self.channel)
+
+    async def _one(self, text: str, max_tokens: int) -> tuple[float | None, int]:
+        t0 = time.perf_counter()
+        first, n = None, 0
+        async for resp in self.stub.Generate(self.pb.GenerateRequest(prompt=text, max_tokens=max_tokens, ignore_eos=True)):
+            if first is None and resp.token_ids:
+                first = time.perf_counter()
+            n += len(resp.token_ids)
+        return (first - t0) * 1000, n
+
+    async def ttft_ms(self, text: str, max_tokens: int) -> float:
+        return (await self._one(text, max_tokens))[0]
+
+    async def throughput(self, texts: list[str], max_tokens: int) -> float:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(self._one(t, max_tokens) for t in texts))
+        return sum(n for _, n in results) / (time.perf_counter() - t0)
+
+
+async def run(a: argparse.Namespace) -> None:
+    from nightjar.stack import Stack, StackConfig
+
+    draft = None if a.no_draft else paths.DEFAULT_DRAFT
+    policy = f"fixed:{a.gamma}" if a.gamma else "off"
+    texts = prompts(max(a.streams, a.ttft_samples), a.prompt_chars)
+    print(f"starting the stack (1 worker, policy {policy}, {a.threads} torch thread(s)) and the in-process engine ...", file=sys.stderr)
+    stack = Stack(StackConfig(port=0, workers=1, planner=False, policy=policy, draft_path=draft,
+                              worker_threads=a.threads, log_level="WARNING")).start()
+    try:
+        local = InProcess(paths.DEFAULT_TARGET, draft, a.threads, a.gamma)
+        remote = ThroughStack(stack.address)
+        await remote.ttft_ms(texts[0], 2)  # warm both paths (first gRPC call, first engine step)
+        local.ttft_ms(texts[0], 2)
+        eng_ttft, stk_ttft, eng_tps, stk_tps = [], [], [], []
+        for r in range(a.rounds):
+            for t in texts[: a.ttft_samples]:
+                eng_ttft.append(local.ttft_ms(t, 1))
+                stk_ttft.append(await remote.ttft_ms(t, 1))
+            batch = texts[: a.streams]
+            eng_tps.append(local.throughput(batch, a.max_tokens))
+            stk_tps.append(await remote.throughput(batch, a.max_tokens))
+            print(f"round {r + 1}/{a.rounds}: engine {eng_tps[-1]:.0f} tok/s, stack {stk_tps[-1]:.0f} tok/s", file=sys.stderr)
+        await remote.channel.close()
+    finally:
+        stack.stop()
+    added = [s - e for s, e in zip(stk_ttft, eng_ttft)]
+    p50 = statistics.median
+    ratio = p50(stk_tps) / p50(eng_tps)
+    print(f"\nPipeline overhead ({a.rounds} rounds, {a.ttft_samples} TTFT samples each, {a.streams} streams x {a.max_tokens} tokens, "
+          f"policy {policy}, {a.threads} thread(s), cpu_count={os.cpu_count()})\n")
+    print("| measure | engine in-process | through the stack | stack - engine / ratio | goal |")
+    print("|---|---|---|---|---|")
+    print(f"| TTFT p50, 1 request at a time | {p50(eng_ttft):.1f} ms | {p50(stk_ttft):.1f} ms | +{p50(added):.1f} ms | <= 5 ms |")
+    print(f"| TTFT p90 | {statistics.quantiles(eng_ttft, n=10)[-1]:.1f} ms | {statistics.quantiles(stk_ttft, n=10)[-1]:.1f} ms | "
+          f"+{statistics.quantiles(added, n=10)[-1]:.1f} ms (p90 of differences) | |")
+    print(f"| tokens/s, {a.streams} concurrent streams (median of rounds) | {p50(eng_tps):.0f} | {p50(stk_tps):.0f} | {ratio:.3f}x | >= 0.95x |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--ttft-samples", type=int, default=20)
+    p.add_argument("--prompt-chars", type=int, default=200)
+    p.add_argument("--threads", type=int, default=1, help="torch threads for both the worker and the in-process engine")
+    p.add_argument("--gamma", type=int, default=0, help="fixed γ on both sides (0 = plain decoding)")
+    p.add_argument("--no-draft", action="store_true")
+    a = p.parse_args(argv)
+    asyncio.run(run(a))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

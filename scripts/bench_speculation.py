@@ -1,0 +1,163 @@
+"""The speculation cost surface of this machine: decode step time and tokens/s for every
+(batch size, γ), acceptance per draft position, and the draft catch-up cost.
+
+    .venv/bin/python scripts/bench_speculation.py [--batches 1,2,4,8,16,32,64] [--gamma-max 6]
+
+For each batch size B: B held-out prompts are prefilled, then rounds of γ = 0..γmax blocks of
+--steps decode steps run in turn (round robin, so context growth and machine noise fall on
+every γ alike). The first step of each block is discarded from the step times (it carries the
+catch-up when γ was 0 before); the catch-ups are recorded separately and fitted as
+catchup_ms = fixed + per_token * tokens. Greedy decoding, EOS ignored.
+
+Writes planner_svc/cost_surfaces/cpu_tiny.json (the planner's simulator input; format in
+BENCHMARKS.md) and benchmarks/speculation_tokens_per_s.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from nightjar.messages import SamplingParams  # noqa: E402
+from worker.config import EngineConfig  # noqa: E402
+from worker.engine import Engine, EngineRequest  # noqa: E402
+
+
+def prompts(tok, n: int, max_tokens: int) -> list[list[int]]:
+    texts = [json.loads(x)["text"] for x in (ROOT / "models" / "prompts.jsonl").read_text().splitlines() if x.strip()]
+    return [tok(texts[i % len(texts)], add_special_tokens=False)["input_ids"][:max_tokens] or [1] for i in range(n)]
+
+
+def measure_batch(eng: Engine, b: int, gammas: list[int], steps: int, rounds: int, prompt_tokens: int, temperature: float):
+    ps = prompts(eng.tokenizer, b, prompt_tokens)
+    params = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=temperature, seed=1)
+    for i, p in enumerate(ps):
+        eng.add_request(EngineRequest(f"s{b}-{i}", p, params))
+    eng.set_gamma_policy(lambda n: 0)
+    while eng.num_waiting or any(s.is_prefill for s in eng.scheduler.running):
+        eng.step()
+    times = {g: [] for g in gammas}
+    emitted = {g: 0 for g in gammas}
+    accepted = {g: [0] * g for g in gammas}
+    verified = {g: 0 for g in gammas}
+    catchups = []
+    for _ in range(rounds):
+        for g in gammas:
+            eng.set_gamma_policy(lambda n, g=g: g)
+            for k in range(steps + 1):
+                eng.step()
+                st = eng.last_stats
+                assert st.batch_size == b and st.gamma == g, (st.batch_size, st.gamma)
+                if st.catchup_tokens:
+                    catchups.append((st.catchup_tokens, st.catchup_ms))
+                if k == 0:
+                    continue
+                times[g].append(st.step_ms)
+                emitted[g] += st.emitted_tokens
+                verified[g] += b
+                for i, a in enumerate(st.accepted_per_position):
+                    accepted[g][i] += a
+    for s in list(eng.scheduler.running):
+        eng.abort(s.request_id)
+    eng.step()
+    return times, emitted, accepted, verified, catchups
+
+
+def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    if len(points) < 2:
+        return (points[0][1] if points else 0.0), 0.0
+    x = torch.tensor([p[0] for p in points], dtype=torch.float64)
+    y = torch.tensor([p[1] for p in points], dtype=torch.float64)
+    a = torch.stack([torch.ones_like(x), x], 1)
+    sol = torch.linalg.lstsq(a, y.unsqueeze(1)).solution.flatten()
+    return float(sol[0]), float(sol[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(ROOT / "models" / "tiny-target"))
+    ap.add_argument("--draft", default=str(ROOT / "models" / "tiny-draft"))
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
+    ap.add_argument("--gamma-max", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=4, help="measured steps per (γ, round)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(ROOT / "planner_svc" / "cost_surfaces" / "cpu_tiny.json"))
+    ap.add_argument("--plot", default=str(ROOT / "benchmarks" / "speculation_tokens_per_s.png"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    batches = [int(x) for x in args.batches.split(",")]
+    gammas = list(range(args.gamma_max + 1))
+    eng = Engine(EngineConfig(target_path=args.target, draft_path=args.draft, num_threads=args.threads,
+                              max_running=max(batches), gamma_max=args.gamma_max,
+                              max_batched_tokens=max(512, max(batches) * (args.gamma_max + 1))))
+    measure_batch(eng, 2, [0, 2], 2, 1, args.prompt_tokens, args.temperature)  # warm-up
+    step_ms, tps, all_catchups = [], [], []
+    acc_num = [0] * args.gamma_max
+    acc_den = [0] * args.gamma_max
+    t_start = time.time()
+    print(f"tokens/s (greedy, threads={args.threads}); columns γ = {gammas}")
+    for b in batches:
+        times, emitted, accepted, verified, catchups = measure_batch(
+            eng, b, gammas, args.steps, args.rounds, args.prompt_tokens, args.temperature)
+        all_catchups += catchups
+        step_ms.append([sum(times[g]) / len(times[g]) for g in gammas])
+        tps.append([emitted[g] / (sum(times[g]) / 1e3) for g in gammas])
+        for g in gammas:
+            for i in range(g):  # P(position i+1 accepted | positions 1..i accepted)
+                acc_num[i] += accepted[g][i]
+                acc_den[i] += accepted[g][i - 1] if i else verified[g]
+        best = max(gammas, key=lambda g: tps[-1][g])
+        print(f"B={b:>3}: " + " ".join(f"{x:8.1f}" for x in tps[-1])
+              + f"   best γ={best} ({tps[-1][best] / tps[-1][0]:.2f}x γ=0)", flush=True)
+    acceptance = [acc_num[i] / acc_den[i] if acc_den[i] else 0.0 for i in range(args.gamma_max)]
+    fixed, per_token = fit_line(all_catchups)
+    crossover = next((b for b, row in zip(batches, tps) if max(range(len(row)), key=row.__getitem__) == 0), None)
+    machine = (f"{platform.processor() or platform.machine()} {torch.get_num_threads()} torch thread(s), "
+               f"shared 2-core dev box, torch {torch.__version__}, {Path(args.target).name}+{Path(args.draft).name} fp32")
+    surface = {"machine": machine, "batch_sizes": batches, "gammas": gammas, "step_ms": step_ms,
+               "acceptance_per_position": acceptance, "catchup_ms_fixed": fixed, "catchup_ms_per_token": per_token,
+               "tokens_per_s": tps, "crossover_batch_size": crossover,
+               "measured_unix_s": int(t_start), "wall_s": round(time.time() - t_start, 1)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(surface, indent=1))
+    print(f"\nacceptance per position: {[round(a, 3) for a in acceptance]}")
+    print(f"catch-up: {fixed:.2f} ms + {per_token * 1e3:.1f} us/token over {len(all_catchups)} catch-ups "
+          f"({min(t for t, _ in all_catchups) if all_catchups else 0}..{max(t for t, _ in all_catchups) if all_catchups else 0} tokens)")
+    print(f"batch-1 best γ speedup: {max(tps[0]) / tps[0][0]:.2f}x;  crossover (γ=0 best from) batch size: {crossover}")
+    print(f"wrote {args.out}")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for g in gammas:
+            ax.plot(batches, [row[g] / row[0] for row in tps], marker="o", label=f"γ={g}")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("tokens/s relative to γ=0")
+        ax.set_title("Speculation speedup by batch size (tiny pair, CPU)")
+        ax.legend(ncol=4, fontsize=8)
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

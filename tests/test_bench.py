@@ -1,0 +1,301 @@
+"""nightjar bench: workloads, report maths, step summaries, plots, and the load generator
+against a real grpc.aio InferenceService on 127.0.0.1 (a scripted one, in the test's loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import grpc.aio
+import numpy as np
+import pytest
+
+from nightjar import paths
+from nightjar.bench import plots, report
+from nightjar.bench.loadgen import LoadConfig, LoadResult, RequestRecord, run_load
+from nightjar.bench.probe import StackProbe, summarize_steps
+from nightjar.bench.workload import CONTEXT_TOKENS, LengthScale, PromptBank, Workload, build
+from nightjar.keys import Keys
+from nightjar.messages import Heartbeat, StepStats
+from nightjar.v1 import inference_pb2 as pb
+from nightjar.v1 import inference_pb2_grpc as pb_grpc
+
+# --------------------------------------------------------------------------- workloads
+
+
+@pytest.mark.parametrize("spec", ["poisson:0.5", "burst", "ramp", "oscillation", "rates:0.2,1,2"])
+def test_workload_is_reproducible_per_seed(spec):
+    a, b, c = (build(spec, 4.0, 60, seed=s) for s in (3, 3, 4))
+    assert np.array_equal(a.arrival_s, b.arrival_s) and np.array_equal(a.output_tokens, b.output_tokens)
+    assert not np.array_equal(a.arrival_s, c.arrival_s)
+
+
+def test_poisson_rate_matches_load_times_capacity():
+    wl = build("poisson:0.5", 20.0, 200, seed=1)
+    expected = 0.5 * 20.0 * 200  # 2000 requests
+    assert abs(len(wl) - expected) < 4 * expected ** 0.5
+    assert wl.arrival_s.max() < 200 and np.all(np.diff(wl.arrival_s) >= 0)
+
+
+def test_burst_peak_is_much_denser_than_its_start():
+    wl = build("burst", 10.0, 100, seed=0)
+    # Pieces of 20 s at loads 0.1, 0.4, 1.2, 2.0, 0.3 × capacity.
+    first, peak = wl.offered_rps(0, 20), wl.offered_rps(60, 80)
+    assert 0.5 < first < 2.0 and 15 < peak < 25
+    assert wl.nominal_rps(10) == pytest.approx(1.0) and wl.nominal_rps(70) == pytest.approx(20.0)
+
+
+def test_rates_steps_in_order():
+    wl = build("rates:0.1,2.0", 10.0, 100, seed=0)
+    assert wl.offered_rps(50, 100) > 8 * wl.offered_rps(0, 50)
+
+
+def test_lengths_are_scaled_and_fit_the_context():
+    scale = LengthScale(prompt=0.5, output=0.25, max_output=64)
+    wl = build("poisson:1", 50.0, 60, seed=2, scale=scale)
+    assert wl.output_tokens.min() >= scale.min_output and wl.output_tokens.max() <= 64
+    assert np.all(wl.prompt_tokens + wl.output_tokens < CONTEXT_TOKENS)
+    # The simulator's median output is 100 tokens; a quarter of that is ~25.
+    assert 15 < np.median(wl.output_tokens) < 35
+
+
+@pytest.mark.skipif(not (paths.TRACES_DIR / "AzureLLMInferenceTrace_conv.csv").exists(), reason="traces not present")
+def test_azure_replay_is_time_scaled_to_the_capacity():
+    wl = build("azure_conv", 2.0, 60, azure_load=0.9)
+    assert 0.6 * 108 < len(wl) <= 108 + 1  # ~0.9 × 2 req/s × 60 s
+    assert wl.arrival_s.max() < 60
+
+
+def test_bad_specs_say_what_to_write():
+    with pytest.raises(ValueError, match="poisson:RHO"):
+        build("poisson:x", 1.0, 10)
+    with pytest.raises(ValueError, match="rates"):
+        build("rates:a,b", 1.0, 10)
+    with pytest.raises(ValueError, match="capacity_rps"):
+        build("burst", 0.0, 10)
+    with pytest.raises(ValueError, match="length scales"):
+        LengthScale(prompt=0)
+
+
+def test_prompt_bank_cuts_texts_of_the_asked_length():
+    bank = PromptBank()
+    rng = np.random.default_rng(0)
+    for n in (8, 64, 300):
+        text = bank.text(n, rng)
+        assert abs(bank.token_count(text) - n) <= max(3, n // 20)
+    wl = Workload("w", np.zeros(3), np.array([10, 20, 30]), np.array([4, 4, 4]), 1.0, 1.0)
+    assert bank.texts(wl, seed=5) == bank.texts(wl, seed=5) != bank.texts(wl, seed=6)
+
+
+# --------------------------------------------------------------------------- report maths
+
+
+def test_percentile_matches_numpy():
+    rng = np.random.default_rng(0)
+    xs = list(rng.exponential(1.0, 101))
+    for q in (0, 1, 50, 90, 99, 100):
+        assert report.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert report.percentile([], 50) is None
+    with pytest.raises(ValueError):
+        report.percentile(xs, 101)
+
+
+def _rec(i, sent, first, end, tokens, status="ok") -> RequestRecord:
+    return RequestRecord(i, sent, 10, tokens, sent_s=sent, first_token_s=first, end_s=end, completion_tokens=tokens, status=status)
+
+
+def test_summarize_computes_throughput_and_latencies():
+    recs = [_rec(0, 0.0, 0.5, 2.5, 21), _rec(1, 1.0, 2.0, 4.0, 11), _rec(2, 1.0, None, None, 0, "UNAVAILABLE")]
+    s = report.summarize(LoadResult("x", "w", 0.0, 4.0, recs))
+    assert s["ok"] == 2 and s["sent"] == 3 and s["failed"] == {"UNAVAILABLE": 1}
+    assert s["tokens_per_s"] == pytest.approx(32 / 4.0)
+    assert s["ttft_s"]["mean"] == pytest.approx((0.5 + 1.0) / 2)
+    assert s["e2e_s"]["p50"] == pytest.approx(2.75)
+    assert s["itl_s"]["mean"] == pytest.approx((2.0 / 20 + 2.0 / 10) / 2)
+
+
+def _run(policy, wl, tps, e2e, ttft):
+    return {"policy": policy, "workload": wl, "tokens_per_s": tps, "e2e_s": {"mean": e2e}, "ttft_s": {"p50": ttft}}
+
+
+def test_goal_rows_compare_nightjar_with_the_right_baseline():
+    runs = [_run("nightjar", "burst", 130, 1.0, 0.2), _run("fixed:3", "burst", 100, 2.0, 0.2),
+            _run("threshold:4:3", "burst", 128, 1.0, 0.2), _run("nightjar", "poisson:1.5", 50, 5, 1.0),
+            _run("nightjar-nooffload", "poisson:1.5", 50, 5, 2.0), _run("off", "poisson:1.5", 60, 5, 2.0)]
+    rows = report.goal_rows(runs, {"burst": "dynamic", "poisson:1.5": "overload"})
+    got = {(r["goal"], r["workload"]): r for r in rows}
+    assert got[("throughput vs fixed-γ (dynamic)", "burst")]["met"] is True  # 1.30 >= 1.27
+    assert got[("mean e2e latency vs fixed-γ (dynamic)", "burst")]["ratio"] == pytest.approx(0.5)
+    assert got[("throughput vs threshold (dynamic)", "burst")]["met"] is False  # 1.016 < 1.05
+    assert got[("throughput vs off (steady overload)", "poisson:1.5")]["met"] is False  # 0.83
+    assert got[("TTFT p50, offload vs no offload (overload)", "poisson:1.5")]["met"] is True  # 0.5
+    assert "**missed**" in report.markdown_goals(rows)
+
+
+def _step(i, gamma, batch=4, accepted=(), residency="resident", worker="w1", emitted=4):
+    return StepStats(worker_id=worker, step=i, unix_ms=i, batch_size=batch, gamma=gamma, draft_ms=1.0, verify_ms=2.0,
+                     step_ms=3.0, accepted_per_position=tuple(accepted), emitted_tokens=emitted, draft_residency=residency)
+
+
+def test_summarize_steps_counts_switches_offloads_and_acceptance():
+    steps = [_step(0, 2, accepted=(4, 2)), _step(1, 2, accepted=(4, 4)), _step(2, 0, residency="offloading"),
+             _step(3, 0, residency="offloaded"), _step(4, 0, residency="reloading"), _step(5, 1, accepted=(2,)),
+             _step(6, 3, accepted=(1, 1, 1), worker="w2"), _step(7, 0, batch=0, worker="w2", emitted=0)]
+    s = summarize_steps(steps)
+    # w1: 2->0, 0->1; w2's first step is not a switch, nor is its prefill-only step (batch 0).
+    assert s["gamma_switches"] == 2
+    assert s["offloads"] == 1 and s["reloads"] == 1
+    assert s["acceptance"] == pytest.approx((6 + 8 + 2 + 3) / (8 + 8 + 4 + 12))
+    assert s["spec_step_share"] == pytest.approx(4 / 7)  # of the decode steps
+    assert summarize_steps([])["acceptance"] is None
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def test_plots_write_png_files(tmp_path):
+    samples = [{"t": t * 0.5, "offered_rps": t, "running": t, "batch": t, "waiting": 0, "gamma": max(0, 3 - t),
+                "residency": "resident" if t < 4 else "offloaded", "kv_blocks_total": 100 + 10 * (t >= 4),
+                "kv_blocks_free": 50, "tokens_per_s": 10.0 * t, "e2e_s": 1.0 + t, "ttft_s": 0.1} for t in range(8)]
+    tl = plots.timeline(samples, tmp_path / "t.png", "test", capacity_rps=3.0)
+    runs = [_run("fixed:3", "burst", 100, 2.0, 0.2), _run("nightjar", "burst", 130, 1.0, 0.2)]
+    bars = plots.comparison_bars(runs, tmp_path / "b.png", "fixed:3", "test")
+    for path in (tl, bars):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+# --------------------------------------------------------------------------- probe (real redis)
+
+
+async def test_probe_reads_heartbeats_and_only_new_steps(redis_url, key_prefix):
+    import redis.asyncio as aioredis
+
+    keys = Keys(key_prefix)
+    r = aioredis.Redis.from_url(redis_url)
+    hb = Heartbeat(worker_id="w1", unix_ms=1, model="m", kv_blocks_free=30, kv_blocks_total=100, running=5, waiting=2,
+                   max_running=64, gamma=2, draft_residency="resident")
+    await r.set(keys.heartbeat("w1"), hb.encode())
+    await r.sadd(keys.workers, "w1", "w-dead")  # a dead worker has no heartbeat key
+    await r.xadd(keys.stats, {b"s": _step(0, 4).encode()})  # before start: not this run's
+    probe = StackProbe(redis_url, key_prefix)
+    try:
+        await probe.start()
+        for i in range(3):
+            await r.xadd(keys.stats, {b"s": _step(i + 1, 2, batch=6, accepted=(3, 1)).encode()})
+        row = await probe()
+        assert row["workers"] == 1 and row["running"] == 5 and row["kv_blocks_total"] == 100
+        assert row["residency"] == "resident" and row["steps"] == 3 and row["batch"] == 6 and row["gamma"] == 2
+        assert (await probe())["workers"] == 1 and len(probe.steps) == 3  # nothing new the second time
+    finally:
+        await probe.close()
+        await r.aclose()
+
+
+# --------------------------------------------------------------------------- load generator (real gRPC)
+
+
+class ScriptedInference(pb_grpc.InferenceServiceServicer):
+    """Streams max_tokens tokens, two per response, ``step_s`` apart; "hang" prompts never finish."""
+
+    def __init__(self, step_s: float = 0.005) -> None:
+        self.step_s = step_s
+        self.prompts: list[str] = []
+        self.request_ids: list[str] = []
+        self.concurrent = self.peak = 0
+
+    async def Generate(self, request, context):
+        self.prompts.append(request.prompt)
+        self.request_ids.append(request.request_id)
+        self.concurrent += 1
+        self.peak = max(self.peak, self.concurrent)
+        try:
+            if request.prompt.startswith("hang"):
+                await asyncio.sleep(3600)
+            sent = 0
+            while sent < request.max_tokens:
+                await asyncio.sleep(self.step_s)
+                n = min(2, request.max_tokens - sent)
+                sent += n
+                yield pb.GenerateResponse(request_id=request.request_id, token_ids=list(range(n)), text="ab"[:n])
+            yield pb.GenerateResponse(request_id=request.request_id, finish_reason=pb.FINISH_REASON_LENGTH,
+                                      usage=pb.Usage(prompt_tokens=len(request.prompt.split()), completion_tokens=sent))
+        finally:
+            self.concurrent -= 1
+
+
+@pytest.fixture
+async def scripted_server():
+    server = grpc.aio.server()
+    servicer = ScriptedInference()
+    pb_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    await server.stop(0)
+
+
+async def test_loadgen_replays_the_schedule_and_measures(scripted_server):
+    servicer, target = scripted_server
+    n = 20
+    wl = Workload("t", np.linspace(0, 0.5, n), np.full(n, 3), np.arange(1, n + 1) * 2, 1.0, 1.0)
+    prompts = [f"p{i} a b" for i in range(n)]
+    calls = []
+
+    async def probe():
+        calls.append(1)
+        return {"running": 1}
+
+    res = await run_load(wl, prompts, LoadConfig(target=target, sample_interval_s=0.05, progress=False), probe=probe)
+    assert sorted(servicer.prompts) == sorted(prompts)
+    # The gateway takes at most 64 printable ASCII characters without spaces, unique per request.
+    assert len(set(servicer.request_ids)) == n
+    assert all(0 < len(r) <= 64 and all(0x21 <= ord(c) <= 0x7E for c in r) for r in servicer.request_ids)
+    assert all(r.ok for r in res.records)
+    assert [r.completion_tokens for r in res.records] == list(wl.output_tokens)
+    assert all(r.prompt_tokens == 3 for r in res.records)
+    for r in res.records:
+        assert 0 < r.ttft_s <= r.e2e_s
+        assert r.sent_s - r.planned_s < 0.25  # the client kept to the schedule
+    assert res.records[-1].e2e_s > res.records[0].e2e_s  # 40 tokens take longer than 2
+    assert servicer.peak > 1  # open loop: requests overlapped
+    assert calls and res.samples and all("running" in s for s in res.samples)
+    s = report.summarize(res)
+    assert s["tokens_per_s"] > 0 and s["ttft_s"]["p99"] >= s["ttft_s"]["p50"]
+
+
+async def test_loadgen_is_bounded_in_time_and_count(scripted_server):
+    servicer, target = scripted_server
+    wl = Workload("t", np.array([0.0, 0.05, 5.0]), np.full(3, 2), np.full(3, 4), 0.2, 1.0)
+    t0 = time.monotonic()
+    res = await run_load(wl, ["hang now", "ok x", "never sent"],
+                         LoadConfig(target=target, max_duration_s=0.2, drain_timeout_s=0.5, progress=False))
+    assert time.monotonic() - t0 < 3
+    assert [r.status for r in res.records] == ["cancelled", "ok", "not_sent"]
+    assert "never sent" not in servicer.prompts
+    s = report.summarize(res)
+    assert s["sent"] == 2 and s["ok"] == 1 and s["failed"] == {"cancelled": 1}
+
+
+def test_load_config_rejects_nonsense():
+    with pytest.raises(ValueError, match="host:port"):
+        LoadConfig(target="localhost")
+    with pytest.raises(ValueError, match="drain_timeout_s"):
+        LoadConfig(target="h:1", drain_timeout_s=0)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_policy_and_workload_specs_resolve():
+    from nightjar.bench.cli import _workload, parser
+    from nightjar.bench.compare import kind_of, resolve_policy
+
+    assert resolve_policy("fixed:G", 3) == "fixed:3" and resolve_policy("threshold:4:G", 2) == "threshold:4:2"
+    assert resolve_policy("table:1=4,4=2", 3) == "table:1=4,4=2"
+    assert [kind_of(s) for s in ("poisson:0.3", "poisson:1.5", "burst", "azure_conv", "rates:1,2")] == \
+        ["low", "overload", "dynamic", "dynamic", "sweep"]
+    plan = _workload("burst@12.5")
+    assert plan.spec == "burst" and plan.duration_s == 12.5
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--workloads", "burst@soon"])
