@@ -159,6 +159,12 @@ class PlannerService:
                 await self.step_once()
             except (RedisError, OSError) as exc:
                 log.warning("redis error (%s); retrying", exc)
+                if "NOGROUP" in str(exc):  # Redis came back empty: recreate the stats group
+                    self._pending_first = True
+                    try:
+                        await self.redis.xgroup_create(self.keys.stats, self.keys.planner_group, id="0", mkstream=True)
+                    except (RedisError, OSError):
+                        pass
                 await asyncio.sleep(0.5)
         try:
             await self.save_state()

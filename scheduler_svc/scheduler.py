@@ -80,6 +80,12 @@ class Scheduler:
                 await self.handle(entries, deliveries=1)
             except (RedisError, OSError) as exc:
                 log.warning("dispatch: Redis error (%s); retrying", exc)
+                if "NOGROUP" in str(exc):  # Redis came back empty: the consumer group went with it
+                    start = b"0"
+                    try:
+                        await self.ensure_group()
+                    except (RedisError, OSError):
+                        pass
                 await asyncio.sleep(0.5)
 
     async def handle(self, entries, deliveries: int | dict[bytes, int]) -> None:

@@ -122,7 +122,12 @@ def workload(tok, n: int, rate_fn, prompt_tokens: int, out_range: tuple[int, int
     t, out = 0.0, []
     for i in range(n):
         t += rng.expovariate(rate_fn(i))
-        ids = tok(texts[i % len(texts)], add_special_tokens=False)["input_ids"][:prompt_tokens] or [1]
+        ids: list[int] = []
+        j = i
+        while len(ids) < prompt_tokens:  # held-out texts joined until the prompt is long enough
+            ids += tok(texts[j % len(texts)] + "\n", add_special_tokens=False)["input_ids"]
+            j += 7
+        ids = ids[:prompt_tokens]
         params = SamplingParams(max_tokens=rng.randint(*out_range), ignore_eos=True)
         out.append((t, EngineRequest(f"{tag}{i}", ids, params)))
     return out
@@ -198,23 +203,38 @@ def reset(eng: Engine, elastic: bool) -> None:
         eng.set_gamma_policy(lambda b: 0)
 
 
-def calibrate_rate(eng: Engine, tok, seq_out: float, capacity_seqs: int, prompt_tokens: int) -> float:
-    """Requests/s the resident pool sustains: capacity_seqs in flight at the measured step time."""
-    reset(eng, elastic=False)
-    arr = workload(tok, capacity_seqs, lambda t: 1e9, prompt_tokens, (64, 64), 99, "cal")
+def decode_rate(eng: Engine, tok, batch: int, prompt_tokens: int, steps: int = 10) -> float:
+    """Decode tokens/s of ``batch`` sequences of about the scenario's length (prefill excluded)."""
+    arr = workload(tok, batch, lambda i: 1e9, prompt_tokens, (10_000, 10_000), 99, f"cal{batch}-")
     for _, r in arr:
         eng.add_request(r)
-    for _ in range(4):
+    while eng.num_waiting or any(s.is_prefill for s in eng.scheduler.running):
+        eng.step()
+    for _ in range(3):
         eng.step()
     t0 = time.perf_counter()
-    for _ in range(12):
+    for _ in range(steps):
         eng.step()
-    step_s = (time.perf_counter() - t0) / 12
+    rate = batch * steps / (time.perf_counter() - t0)
     for _, r in arr:
         eng.abort(r.request_id)
     while eng.has_unfinished():
         eng.step()
-    return capacity_seqs / (step_s * seq_out)
+    return rate
+
+
+def calibrate(resident: Engine, elastic: Engine, tok, cap: dict, prompt_tokens: int) -> tuple[float, float]:
+    """Decode tokens/s with each pool full (resident pool, draft resident; grown pool, draft
+    offloaded), measured alternately so machine noise falls on both."""
+    reset(resident, elastic=False)
+    reset(elastic, elastic=False)
+    elastic.offload_draft()
+    r, e = [], []
+    for _ in range(2):
+        r.append(decode_rate(resident, tok, cap["max_seqs_resident"], prompt_tokens))
+        e.append(decode_rate(elastic, tok, cap["max_seqs_offloaded"], prompt_tokens))
+    elastic.reload_draft()
+    return statistics.median(r), statistics.median(e)
 
 
 def plot(path: Path, elastic: Driver, resident: Driver, share: float) -> None:
@@ -255,12 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=str(ROOT / "models" / "tiny-target"))
     ap.add_argument("--draft", default=str(ROOT / "models" / "tiny-draft"))
     ap.add_argument("--draft-share", type=float, default=0.6, help="draft weight bytes as a share of the KV pool")
-    ap.add_argument("--requests", type=int, default=120)
-    ap.add_argument("--ramp-requests", type=int, default=120)
-    ap.add_argument("--prompt-tokens", type=int, default=32)
-    ap.add_argument("--out-min", type=int, default=24)
-    ap.add_argument("--out-max", type=int, default=72)
-    ap.add_argument("--overload", type=float, default=1.5, help="arrival rate ÷ the resident pool's sustainable rate")
+    ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--ramp-requests", type=int, default=60)
+    ap.add_argument("--prompt-tokens", type=int, default=96)
+    ap.add_argument("--out-min", type=int, default=96)
+    ap.add_argument("--out-max", type=int, default=160)
+    ap.add_argument("--overload", type=float, default=0.0, help="arrival rate ÷ the resident pool's sustainable "
+                    "rate; 0 = midway between the resident and the offloaded pool's sustainable rates")
     ap.add_argument("--cycles", type=int, default=9)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", default=str(ROOT / "docs" / "memory_timeline.png"))
@@ -296,7 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"concurrent {cap['seq_tokens']}-token sequences: resident {cap['max_seqs_resident']}, "
           f"offloaded {cap['max_seqs_offloaded']}")
 
-    rate = args.overload * calibrate_rate(resident_eng, tok, mean_out, cap["max_seqs_resident"], args.prompt_tokens)
+    tok_r, tok_e = calibrate(resident_eng, elastic_eng, tok, cap, args.prompt_tokens)
+    c_r, c_e = tok_r / mean_out, tok_e / mean_out  # requests/s each pool sustains (decode only)
+    # the overload: between what the resident pool and the grown pool sustain (or a fixed multiple)
+    rate = args.overload * c_r if args.overload else (c_r + c_e) / 2
+    results["capacity"].update(decode_tok_s_resident=tok_r, decode_tok_s_offloaded=tok_e, req_s_resident=c_r,
+                               req_s_offloaded=c_e)
+    print(f"decode tok/s with the pool full: resident {tok_r:.0f} ({cap['max_seqs_resident']} seqs), "
+          f"offloaded {tok_e:.0f} ({cap['max_seqs_offloaded']} seqs) -> sustainable {c_r:.2f} vs {c_e:.2f} req/s")
     results["rate_req_s"] = rate
     arrivals = workload(tok, args.requests, lambda t: rate, args.prompt_tokens, (args.out_min, args.out_max),
                         args.seed, "o")
@@ -306,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     run_side_by_side([a, b])
     sa, sb = a.summary(), b.summary()
     results["overload"] = {"resident": sa, "elastic": sb}
-    print(f"\n== overload: {args.requests} requests, Poisson {rate:.2f} req/s ({args.overload}× the resident pool's "
-          f"sustainable rate), prompts {args.prompt_tokens} tokens, outputs {args.out_min}-{args.out_max}")
+    print(f"\n== overload: {args.requests} requests, Poisson {rate:.2f} req/s ({rate / c_r:.2f}x what the resident pool "
+          f"sustains), prompts {args.prompt_tokens} tokens, outputs {args.out_min}-{args.out_max}")
     print(f"{'':14} {'TTFT p50 s':>10} {'p90 s':>8} {'tok/s':>8} {'mean batch':>10} {'max':>5} {'offl':>5} {'rel':>4}")
     for name, s in (("resident γ=0", sa), ("elastic", sb)):
         print(f"{name:14} {s['ttft_p50_s']:10.2f} {s['ttft_p90_s']:8.2f} {s['throughput_tok_s']:8.1f} "
@@ -319,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"TTFT p50 {cut:+.0%} lower with offload (goal >= 30%); throughput x{thr:.2f} (goal >= 1.0)")
 
     if not args.skip_ramp:
-        base, n = rate / args.overload, args.ramp_requests
+        base, n = c_r, args.ramp_requests
 
         def ramp(i: int) -> float:  # the first and last quarter of the requests at 0.3x, the middle half at 1.5x
             return 1.5 * base if n // 4 <= i < n - n // 4 else 0.3 * base

@@ -180,11 +180,11 @@ def check_mover(args, device: str, cuda: bool) -> None:
 def run_generation(eng: Engine, prompts, cycles: bool) -> dict[str, list[int]]:
     eng.set_gamma_policy((lambda b: 3) if cycles else (lambda b: 0))
     for i, p in enumerate(prompts):
-        eng.add_request(EngineRequest(f"g{i}", p, SamplingParams(max_tokens=48)))
+        eng.add_request(EngineRequest(f"g{i}", p, SamplingParams(max_tokens=64)))
     out: dict[str, list[int]] = {}
     step, peak = 0, []
     while eng.has_unfinished():
-        if cycles and step in (4, 20):
+        if cycles and step in (2, 8):
             if eng.memory.mover.cuda:
                 torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated() if eng.memory.mover.cuda else 0
@@ -192,7 +192,7 @@ def run_generation(eng: Engine, prompts, cycles: bool) -> dict[str, list[int]]:
             eng.memory.wait()  # check only: finish now so the grow's transient is measured here
             if eng.memory.mover.cuda:
                 peak.append(torch.cuda.max_memory_allocated() - before)
-        if cycles and step in (12, 28):
+        if cycles and step in (5, 11):
             eng.set_draft_residency("resident")
         for o in eng.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)

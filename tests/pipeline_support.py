@@ -92,7 +92,18 @@ async def wait_kv_free(stack: Stack, baseline: int, timeout_s: float = 5.0, belo
     free = -1
     while time.monotonic() < deadline:
         free = sum(h.kv_blocks_free for h in heartbeats(stack).values())
-        if (free < baseline) if below else (free == baseline):
+        if (free < baseline) if below else (free >= baseline):
             return free
         await asyncio.sleep(0.1)
     return free
+
+
+async def idle_kv_free(stack: Stack, timeout_s: float = 10.0) -> int:
+    """Free KV blocks once no worker runs or queues anything (the baseline to return to)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        beats = heartbeats(stack).values()
+        if beats and all(h.running == 0 and h.waiting == 0 for h in beats):
+            return sum(h.kv_blocks_free for h in beats)
+        await asyncio.sleep(0.1)
+    raise AssertionError("the workers did not become idle")

@@ -133,6 +133,16 @@ def test_goal_rows_compare_nightjar_with_the_right_baseline():
     assert "**missed**" in report.markdown_goals(rows)
 
 
+def test_goal_rows_average_ratios_within_repeats():
+    runs = [_run("nightjar", "burst", 130, 1.0, 0.2), _run("fixed:3", "burst", 100, 2.0, 0.2),
+            {**_run("nightjar", "burst", 90, 1.0, 0.2), "repeat": 1}, {**_run("fixed:3", "burst", 100, 2.0, 0.2), "repeat": 1}]
+    (row,) = [r for r in report.goal_rows(runs, {"burst": "dynamic"}) if r["goal"].startswith("throughput vs fixed")]
+    assert row["ratios"] == pytest.approx([1.3, 0.9]) and row["ratio"] == pytest.approx(1.1) and row["met"] is False
+    assert "0.900–1.300, 2 repeats" in report.markdown_goals([row])
+    avg = {r["policy"]: r for r in report.average_runs(runs)}
+    assert avg["nightjar"]["tokens_per_s"] == pytest.approx(110) and avg["nightjar"]["repeats"] == 2
+
+
 def _step(i, gamma, batch=4, accepted=(), residency="resident", worker="w1", emitted=4):
     return StepStats(worker_id=worker, step=i, unix_ms=i, batch_size=batch, gamma=gamma, draft_ms=1.0, verify_ms=2.0,
                      step_ms=3.0, accepted_per_position=tuple(accepted), emitted_tokens=emitted, draft_residency=residency)

@@ -44,3 +44,25 @@ def test_round_trip_frees_and_restores_every_weight(which):
 def test_plain_copy_reference_is_measurable():
     assert 0 < plain_copy_seconds(1 << 20, "cpu", "reload") < 1.0
     assert 0 < plain_copy_seconds(1 << 20, "cpu", "offload") < 1.0
+
+
+def _p(state, waiting, used, base=100):
+    from worker.memory import MemoryPressure
+
+    return MemoryPressure(state=state, running=4, waiting=waiting, blocks_used=used, blocks_total=base, base_blocks=base)
+
+
+def test_pressure_rule_offloads_only_under_sustained_pressure_and_reloads_when_calm():
+    from worker.pressure import PressureRule
+
+    rule = PressureRule(offload_after=3, reload_after=4, reload_below=0.5)
+    assert [rule(_p("resident", 2, 90)) for _ in range(3)] == ["resident", "resident", "offloaded"]
+    rule = PressureRule(offload_after=3, reload_after=4, reload_below=0.5)
+    seq = [rule(_p("resident", w, 90)) for w in (1, 1, 0, 1, 1)]  # a gap resets the count: bursts do not offload
+    assert seq == ["resident"] * 5
+    rule = PressureRule(offload_after=1, reload_after=4, reload_below=0.5)
+    assert [rule(_p("offloaded", 0, 80)) for _ in range(5)] == ["offloaded"] * 5  # calm but the base pool is too full
+    assert [rule(_p("offloaded", 0, 50)) for _ in range(1)] == ["resident"]  # calm for 6 steps and half empty
+    assert rule(_p("offloaded", 1, 10)) == "offloaded"  # waiting again: stay away
+    with pytest.raises(ValueError, match="reload_below"):
+        PressureRule(reload_below=0.0)

@@ -173,3 +173,28 @@ def test_nightjar_nooffload_never_directs_an_offload():
     for _ in range(2000):
         policy.update(stats(64, policy.gamma_for(64), verify_ms=17.0, used=99, free=1, waiting=10))
     assert policy.residency_for("w0") == RESIDENT and policy.residency() == {}
+
+
+def test_step_cost_model_separates_prefill_rows_in_mixed_steps():
+    """The engine runs new prompts in the decode step's target forward: verify = v(n) + c·prefill."""
+    model = StepCostModel()
+    roof = lambda n: 1.0 + max(4.0, 0.25 * n)  # noqa: E731
+    for b in (16, 32, 48):
+        for _ in range(6):
+            model.observe(b, 0, 0.0, roof(b))
+    for _ in range(10):
+        for b in (16, 32, 48):
+            model.observe_mixed(b, 0, 0.0, roof(b) + 0.1 * 200, prefill_tokens=200)
+    assert model.prefill_ms_per_token == pytest.approx(0.1, rel=0.05)
+    for _ in range(6):  # B=24 only ever seen in mixed steps still teaches v(24)
+        model.observe_mixed(24, 0, 0.0, roof(24) + 0.1 * 300, prefill_tokens=300)
+    assert model.verify.mean[24] == pytest.approx(roof(24), rel=0.05)
+
+
+def test_step_cost_model_extrapolates_below_the_observed_range_optimistically():
+    model = StepCostModel()
+    roof = lambda n: 1.0 + max(4.0, 0.25 * n)  # noqa: E731
+    for n in (64, 72, 80, 96):  # only large steps seen so far (γ>0 at a big batch)
+        model.verify.observe(n, roof(n))
+    below = float(model.verify.predict(np.array([40.0]))[0])
+    assert below == pytest.approx(roof(40), rel=0.05) and below < roof(64)

@@ -59,25 +59,44 @@ class KVCache:
 
 
 @dataclass
-class PagedBatch:
-    """Addressing for one forward pass over B sequences with runs of q_len_b new tokens.
+class AttnGroup:
+    """Runs attended together: rows [start, end) of the flat order, B runs padded to Q x T."""
 
-    N = sum(q_len_b) rows in the flat token order; Q = max q_len_b; T = max blocks * block_size.
+    start: int
+    end: int
+    gather: torch.Tensor  # [B * max_blocks] block ids to gather (padded with block 0, masked)
+    mask: torch.Tensor  # [B, 1, Q, T] bool, True where the query may attend to the key
+    pad_index: torch.Tensor | None  # [end - start] row of each token in the padded [B * Q] layout; None if uniform
+    batch: int
+    q_max: int
+    t_max: int
+    _mask_rep: torch.Tensor | None = None
+
+    def mask_rep(self, rep: int) -> torch.Tensor:
+        """[B, 1, Q * rep, T]: the mask for query rows (q, r) laid out q-major (see model._attend);
+        built once per forward, reused by every layer."""
+        if self._mask_rep is None:
+            self._mask_rep = self.mask.repeat_interleave(rep, dim=2)
+        return self._mask_rep
+
+
+@dataclass
+class PagedBatch:
+    """Addressing for one forward pass over runs of new tokens (N rows in flat order).
+
+    Runs are attended in groups: the leading runs that share one length (decode / verify: no
+    padding at all) and the rest (prefill chunks, padded to their longest). Mixing them in one
+    padded group would pad every decode row to the prefill chunk's length.
     """
 
     positions: torch.Tensor  # [N] absolute position of each new token
     slots: torch.Tensor  # [N] flat slot (block * block_size + offset) to write its K/V
-    gather: torch.Tensor  # [B * max_blocks] block ids to gather (padded with block 0, masked)
-    mask: torch.Tensor  # [B, 1, Q, T] bool, True where the query may attend to the key
-    pad_index: torch.Tensor | None  # [N] row of each token in the padded [B * Q] layout; None if uniform
-    batch: int
-    q_max: int
-    t_max: int
+    groups: list[AttnGroup]
 
 
-def build_paged_batch(starts: list[int], q_lens: list[int], tables: list[list[int]], block_size: int,
-                      device: torch.device) -> PagedBatch:
-    """starts[b]: position of the first new token of sequence b (= tokens already in KV)."""
+def _group(starts: list[int], q_lens: list[int], tables: list[list[int]], block_size: int, row0: int,
+           device: torch.device) -> tuple[AttnGroup, torch.Tensor, torch.Tensor]:
+    """-> (group, positions [n], slots [n])."""
     b = len(starts)
     q_max = max(q_lens)
     max_blocks = max((s + q + block_size - 1) // block_size for s, q in zip(starts, q_lens))
@@ -100,12 +119,29 @@ def build_paged_batch(starts: list[int], q_lens: list[int], tables: list[list[in
         qpos = start_t.unsqueeze(1) + torch.minimum(offs, (qlen_t - 1).unsqueeze(1))
         positions = qpos[valid]
         seq_of = torch.arange(b).unsqueeze(1).expand(b, q_max)[valid]
-        pad_index = (torch.arange(b).unsqueeze(1) * q_max + offs)[valid]
+        pad_index = (torch.arange(b).unsqueeze(1) * q_max + offs)[valid].to(device)
     slots = table[seq_of, positions // block_size] * block_size + positions % block_size
     t_max = max_blocks * block_size
     mask = (torch.arange(t_max).view(1, 1, t_max) <= qpos.unsqueeze(2)).unsqueeze(1)
-    return PagedBatch(
-        positions=positions.to(device), slots=slots.to(device), gather=table.reshape(-1).to(device),
-        mask=mask.to(device), pad_index=None if pad_index is None else pad_index.to(device),
-        batch=b, q_max=q_max, t_max=t_max,
-    )
+    group = AttnGroup(row0, row0 + sum(q_lens), table.reshape(-1).to(device), mask.to(device), pad_index,
+                      b, q_max, t_max)
+    return group, positions, slots
+
+
+def build_paged_batch(starts: list[int], q_lens: list[int], tables: list[list[int]], block_size: int,
+                      device: torch.device) -> PagedBatch:
+    """starts[b]: position of the first new token of run b (= tokens already in that KV)."""
+    split = 1
+    while split < len(q_lens) and q_lens[split] == q_lens[0]:
+        split += 1
+    parts = [(0, split), (split, len(q_lens))] if split < len(q_lens) else [(0, split)]
+    groups, positions, slots = [], [], []
+    row = 0
+    for lo, hi in parts:
+        g, pos, sl = _group(starts[lo:hi], q_lens[lo:hi], tables[lo:hi], block_size, row, device)
+        groups.append(g)
+        positions.append(pos)
+        slots.append(sl)
+        row = g.end
+    cat = (lambda xs: xs[0]) if len(parts) == 1 else torch.cat
+    return PagedBatch(positions=cat(positions).to(device), slots=cat(slots).to(device), groups=groups)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from worker.kv_cache import KVCache, PagedBatch
+from worker.kv_cache import AttnGroup, KVCache, PagedBatch
 from worker.loader import ModelConfig, fused_weights, load_config, load_state_dict
 
 
@@ -104,7 +104,6 @@ class LlamaModel:
         c, w = self.cfg, self.w
         n = input_ids.shape[0]
         h_, k_, d = c.num_heads, c.num_kv_heads, c.head_dim
-        b, q, t = pb.batch, pb.q_max, pb.t_max
         self._ensure_rope(int(pb.positions.max()) + 1)
         cos = self.cos[pb.positions].unsqueeze(1)  # [N, 1, d]
         sin = self.sin[pb.positions].unsqueeze(1)
@@ -119,16 +118,11 @@ class LlamaModel:
             kc, vc = kv.k[li], kv.v[li]  # [num_blocks, block_size, K, d]
             kc.view(-1, k_, d).index_copy_(0, pb.slots, qk[:, h_:])
             vc.view(-1, k_, d).index_copy_(0, pb.slots, vv)
-            kg = kc.index_select(0, pb.gather).view(b, t, k_, d).transpose(1, 2)  # [B, K, T, d]
-            vg = vc.index_select(0, pb.gather).view(b, t, k_, d).transpose(1, 2)
             qq = qk[:, :h_]  # [N, H, d]
-            if pb.pad_index is not None:
-                qq = qq.new_zeros(b * q, h_, d).index_copy_(0, pb.pad_index, qq)
-            qq = qq.view(b, q, h_, d).transpose(1, 2)  # [B, H, Q, d]
-            o = F.scaled_dot_product_attention(qq, kg, vg, attn_mask=pb.mask, enable_gqa=h_ != k_)
-            o = o.transpose(1, 2).reshape(b * q, h_ * d)  # [B * Q, H * d]
-            if pb.pad_index is not None:
-                o = o.index_select(0, pb.pad_index)  # [N, H * d]
+            if len(pb.groups) == 1:
+                o = self._attend(pb.groups[0], qq, kc, vc)
+            else:
+                o = torch.cat([self._attend(g, qq[g.start:g.end], kc, vc) for g in pb.groups])
             x = x + F.linear(o, lw["o"])
             hn = F.rms_norm(x, (x.shape[-1],), lw["ln2"], eps)
             gu = F.linear(hn, lw["gate_up"])  # [N, 2I]
@@ -136,3 +130,22 @@ class LlamaModel:
             x = x + F.linear(F.silu(g) * u, lw["down"])
         x = F.rms_norm(x.index_select(0, logit_rows), (x.shape[-1],), w["norm"], eps)
         return F.linear(x, w["head"]).float()  # [R, V]
+
+    def _attend(self, g: AttnGroup, qq: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        """qq: [n, H, d] queries of group g; kc, vc: [num_blocks, block_size, K, d] -> [n, H * d]."""
+        h_, k_, d = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        b, q, t = g.batch, g.q_max, g.t_max
+        kg = kc.index_select(0, g.gather).view(b, t, k_, d).transpose(1, 2)  # [B, K, T, d]
+        vg = vc.index_select(0, g.gather).view(b, t, k_, d).transpose(1, 2)
+        if g.pad_index is not None:
+            qq = qq.new_zeros(b * q, h_, d).index_copy_(0, g.pad_index, qq)
+        # GQA without repeating K/V: the rep = H/K query heads that share a KV head become
+        # extra query rows of that head: [B, Q, K, rep, d] -> [B, K, Q * rep, d]
+        rep = h_ // k_
+        qq = qq.view(b, q, k_, rep, d).permute(0, 2, 1, 3, 4).reshape(b, k_, q * rep, d)
+        mask = g.mask if rep == 1 else g.mask_rep(rep)  # [B, 1, Q * rep, T]
+        o = F.scaled_dot_product_attention(qq, kg, vg, attn_mask=mask)  # [B, K, Q * rep, d]
+        o = o.view(b, k_, q, rep, d).permute(0, 2, 1, 3, 4).reshape(b * q, h_ * d)  # [B * Q, H * d]
+        if g.pad_index is not None:
+            o = o.index_select(0, g.pad_index)  # [n, H * d]
+        return o

@@ -209,6 +209,8 @@ class WorkerService:
             pipe = self.redis.pipeline(transaction=False)
             for result in results:
                 self._queue_result(pipe, result)
+            if results[-1].snapshot.draft_residency != self.snapshot.draft_residency:
+                m.set_residency(results[-1].snapshot.draft_residency)
             self.snapshot = results[-1].snapshot
             if len(pipe):
                 try:
@@ -321,7 +323,9 @@ class WorkerService:
                 if wanted and wanted != residency and self.cfg.draft_path is not None:
                     self.engine.submit(SetResidency(wanted))
                     residency = wanted
-                self._policy_version = getattr(view, "version", self._policy_version)
+                if view.version != self._policy_version and view.policy is not None:
+                    m.observe_policy(view.policy)
+                self._policy_version = view.version
                 await asyncio.sleep(0.1)
         finally:
             follower.cancel()

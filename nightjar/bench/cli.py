@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 FULL_POLICIES = ("off", "fixed:G", "threshold:4:G", "table:1=4,4=2,16=1,32=0", "ucb", "nightjar", "nightjar-nooffload")
-FULL_WORKLOADS = ("burst@40", "azure_conv@40", "poisson:0.3@15", "poisson:1.5@20")
+FULL_WORKLOADS = ("burst@30", "azure_conv@25", "poisson:0.3@10", "poisson:1.5@15")
 QUICK_POLICIES = ("fixed:G", "nightjar")
 QUICK_WORKLOADS = ("burst@20",)
 # Timelines copied into --plots-dir (every run's timeline stays in the output folder).
@@ -48,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", nargs="+", type=_workload, default=None,
                    help="SPEC@SECONDS: poisson:ρ, rates:ρ1,ρ2,..., burst, ramp, oscillation, azure_conv, azure_code")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt-scale", type=float, default=0.5, help="× the trace's prompt lengths")
+    p.add_argument("--prompt-scale", type=float, default=0.25, help="× the trace's prompt lengths")
     p.add_argument("--output-scale", type=float, default=0.25, help="× the trace's output lengths")
     p.add_argument("--max-output", type=int, default=64, help="cap on a request's output tokens after scaling")
     p.add_argument("--kv-budget-bytes", type=int, default=None, help="worker KV budget (the memory overload scenario's)")
@@ -61,6 +61,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout-s", type=float, default=None, help="after the last arrival, cancel what is left after this")
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/bench/UTC-STAMP)")
     p.add_argument("--plots-dir", type=Path, default=None, help="also copy the headline plots here (e.g. docs/bench)")
+    p.add_argument("--repeats", type=int, default=1, help="repeat the policy sweep (interleaved) for the ratios' spread")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -101,7 +102,7 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
         cfg = CompareConfig(policies=policies, workloads=workloads, out_dir=out, seed=a.seed, scale=scale,
                             drain_timeout_s=a.drain_timeout_s or (15.0 if a.quick else 20.0), kv_budget_bytes=a.kv_budget_bytes,
                             worker_args=tuple(a.worker_arg), worker_threads=a.worker_threads, capacity_rps=capacity, fixed_gamma=fixed_gamma,
-                            capacity_probe_requests=16 if a.quick else 24, progress=not a.no_progress)
+                            capacity_probe_s=12.0 if a.quick else 20.0, repeats=a.repeats, progress=not a.no_progress)
     except ValueError as exc:
         p.error(str(exc))
     t0 = time.monotonic()
@@ -139,17 +140,19 @@ def render(payload: dict, wall_s: float | None = None) -> str:
 
 
 def _plots(payload: dict, out: Path, plots_dir: Path | None) -> None:
-    from nightjar.bench import plots
+    from nightjar.bench import plots, report
 
     cap = payload["calibration"]["capacity_rps"]
     made = []
     for key, samples in payload["samples"].items():
-        policy, workload = key.split("|", 1)
+        policy, workload, *rep = key.split("|")
+        if rep:  # timelines of the first repeat only
+            continue
         name = f"timeline_{_slug(policy)}_{_slug(workload)}.png"
         made.append((policy, plots.timeline(samples, out / "plots" / name, f"{policy} — {workload}", cap)))
     policies = [r["policy"] for r in payload["runs"]]
     base = next((p for p in policies if p.startswith("fixed")), policies[0] if policies else None)
-    bars = plots.comparison_bars(payload["runs"], out / "plots" / "comparison.png", base, "Policies on the real stack") if base else None
+    bars = plots.comparison_bars(report.average_runs(payload["runs"]), out / "plots" / "comparison.png", base, "Policies on the real stack") if base else None
     if plots_dir is not None:
         plots_dir.mkdir(parents=True, exist_ok=True)
         for policy, path in made:

@@ -70,12 +70,16 @@ class CompareConfig:
     worker_threads: int = 1
     capacity_rps: float | None = None  # skip the capacity probe
     fixed_gamma: int | None = None  # skip the batch-1 γ probe
-    gamma_probe_tokens: int = 16
-    capacity_probe_requests: int = 24
-    capacity_probe_s: float = 25.0  # the saturating burst is cut off after this (its rate is what counts)
+    gamma_probe_tokens: int = 32
+    capacity_probe_concurrency: int = 32  # requests kept in flight by the capacity probe (throughput still grows past 16 on CPU)
+    capacity_probe_s: float = 20.0
+    capacity_probe_warmup_s: float = 4.0  # the first prefills and the batch filling up are not steady state
     progress: bool = True
+    repeats: int = 1  # the whole policy sweep, repeated (fresh stacks each time)
 
     def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
         if not self.policies:
             raise ValueError("give at least one --policies entry")
         if not self.workloads:
@@ -161,12 +165,12 @@ async def probe_gamma(stack: Stack, cfg: CompareConfig, bank: PromptBank, gamma_
         await asyncio.sleep(1.5)  # the worker follows the policy channel; let it switch
         wl = _fixed_workload(1, 32, cfg.gamma_probe_tokens)
         tps_runs = []
-        for rep in range(2):
+        for rep in range(3):
             res, steps = await run_on_stack(stack, wl, [bank.text(32, rng)], _quiet(cfg), f"γ={g}#{rep}")
             rec = res.records[0]
-            if rec.ok and rec.e2e_s:
-                tps_runs.append(rec.completion_tokens / rec.e2e_s)
-        tps = float(np.mean(tps_runs)) if tps_runs else 0.0
+            if rec.ok and rec.itl_s:
+                tps_runs.append(1.0 / rec.itl_s)  # decode rate after the first token (no prefill, no queue)
+        tps = float(np.median(tps_runs)) if tps_runs else 0.0
         out["gamma_probe"][g] = {"tokens_per_s": tps, "acceptance": steps.get("acceptance"),
                                  "spec_step_share": steps.get("spec_step_share"), "mean_batch": steps.get("mean_batch")}
         if g > 0 and not steps.get("spec_step_share"):
@@ -174,33 +178,44 @@ async def probe_gamma(stack: Stack, cfg: CompareConfig, bank: PromptBank, gamma_
         if tps > best_tps:
             best, best_tps = g, tps
     out["fixed_gamma"] = int(best)
-    out["gamma_probe_note"] = "batch-1 decode speed per γ, one request at a time, two repeats"
+    out["gamma_probe_note"] = "batch-1 decode tokens/s after the first token, per γ, median of three single requests"
     await _publish(stack, 0, version=2000)  # the capacity probe that may follow runs at γ = 0
     await asyncio.sleep(1.5)
     return out
 
 
 async def probe_capacity(stack: Stack, cfg: CompareConfig, bank: PromptBank) -> dict:
-    """Saturated request rate: a burst of requests at once, cut off after ``capacity_probe_s``."""
-    out: dict = {}
-    # A saturating burst with the workloads' own length mix.
-    p, o = synthetic_lengths(np.random.default_rng(cfg.seed + 1), cfg.capacity_probe_requests)
-    p, o = cfg.scale.apply(p, o)
-    wl = Workload("capacity-probe", np.zeros(len(p)), p, o, 1.0, 1.0)
-    probe_cfg = replace(cfg, progress=False, drain_timeout_s=cfg.capacity_probe_s)
-    res, steps = await run_on_stack(stack, wl, bank.texts(wl, cfg.seed), probe_cfg, "capacity")
-    s = report.summarize(res, steps)
+    """Saturated request rate with the workloads' length mix, measured closed-loop.
+
+    Many requests arrive at once but the client keeps only ``capacity_probe_concurrency`` in
+    flight (a finished one is replaced at once), so the stack stays saturated with a steady
+    batch; after ``capacity_probe_s`` the rest is cancelled. The token rate after a warm-up of
+    ``capacity_probe_warmup_s`` (prefills included, as in the real workloads) ÷ the mix's mean
+    output length is the capacity in requests/s.
+    """
+    n = 400  # more than the probe can finish: it is cut off by time
+    p, o = cfg.scale.apply(*synthetic_lengths(np.random.default_rng(cfg.seed + 1), n))
+    wl = Workload("capacity-probe", np.zeros(n), p, o, 1.0, 1.0)
+    load_cfg = LoadConfig(target=stack.address, max_duration_s=1.0, drain_timeout_s=cfg.capacity_probe_s,
+                          max_in_flight=cfg.capacity_probe_concurrency, seed=cfg.seed, progress=False, label="capacity")
+    probe = StackProbe(stack.redis_url, stack.cfg.key_prefix)
+    try:
+        await probe.start()
+        res = await run_load(wl, bank.texts(wl, cfg.seed), load_cfg, probe=probe)
+        await probe.read_steps()
+        steps = summarize_steps(probe.steps)
+    finally:
+        await probe.close()
     mix_p, mix_o = cfg.scale.apply(*synthetic_lengths(np.random.default_rng(0), 20000))
-    # Saturated token rate: the samples while at least half the burst was still in flight.
-    busy = [x["tokens_per_s"] for x in res.samples if x["in_flight"] >= len(p) // 2]
-    tps = float(np.mean(busy)) if busy else s["tokens_per_s"]
-    capacity = tps / float(mix_o.mean())
-    out["capacity_probe"] = {"saturated_tokens_per_s": tps, "makespan_tokens_per_s": s["tokens_per_s"],
-                             "mean_output_tokens": float(mix_o.mean()), "mean_prompt_tokens": float(mix_p.mean()),
-                             "mean_batch": steps.get("mean_batch"), "gamma_share": steps.get("spec_step_share"),
-                             "requests": len(p)}
-    out["capacity_rps"] = float(capacity)
-    return out
+    warm = [x["tokens_per_s"] for x in res.samples if x["t"] >= cfg.capacity_probe_warmup_s]
+    tps = float(np.mean(warm)) if warm else 0.0
+    if tps <= 0:
+        raise RuntimeError(f"the capacity probe saw no tokens in {cfg.capacity_probe_s:.0f} s; see the logs in {stack.log_dir}")
+    return {"capacity_rps": tps / float(mix_o.mean()),
+            "capacity_probe": {"saturated_tokens_per_s": tps, "concurrency": cfg.capacity_probe_concurrency,
+                               "finished": sum(r.ok for r in res.records), "mean_output_tokens": float(mix_o.mean()),
+                               "mean_prompt_tokens": float(mix_p.mean()), "mean_batch": steps.get("mean_batch"),
+                               "gamma_share": steps.get("spec_step_share"), "seconds": cfg.capacity_probe_s}}
 
 
 def _quiet(cfg: CompareConfig) -> CompareConfig:
@@ -275,29 +290,36 @@ async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
     if cal["capacity_rps"] is not None:
         plan_workloads()
     gamma = cal["fixed_gamma"]
-    warm_text = bank.text(16, np.random.default_rng(1))
-    for spec in cfg.policies:
-        policy = resolve_policy(spec, gamma)
-        t0 = time.monotonic()
-        safe = policy.replace(":", "_").replace(",", "_").replace("=", "-")
-        async with _Running(cfg.stack_config(policy, cfg.out_dir / "logs" / safe)) as stack:
-            cmp.stack_start_s[policy] = time.monotonic() - t0
-            if not workloads:  # γ was given: measure the capacity on the first policy's stack
-                cal.update(await probe_capacity(stack, cfg, bank))
-                cal["notes"].append(f"capacity measured under policy {policy}")
-                plan_workloads()
-            await run_on_stack(stack, _fixed_workload(2, 16, 8), [warm_text] * 2, _quiet(cfg), "warmup")
-            for plan, wl, texts in zip(cfg.workloads, workloads, prompts):
-                if not await wait_idle(stack):
-                    log(f"policy {policy}: the stack was still busy after 30 s; starting {plan.spec} anyway")
-                log(f"policy {policy}: workload {plan.spec} ({len(wl)} requests over {plan.duration_s:.0f} s)")
-                result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | {plan.spec}")
-                run = report.summarize(result, steps)
-                run.update(policy=policy, kind=plan.kind)
-                cmp.runs.append(run)
-                cmp.samples[f"{policy}|{plan.spec}"] = result.samples
-                report.write_json(cfg.out_dir / "results.json", cmp.payload())
+    for rep in range(cfg.repeats):
+        # Repeats interleave the policies, so a change in the machine's load hits them all alike.
+        for spec in cfg.policies:
+            policy = resolve_policy(spec, gamma)
+            await _one_policy(cmp, cfg, policy, rep, bank, workloads, prompts, plan_workloads, log)
     return cmp
+
+
+async def _one_policy(cmp: Comparison, cfg: CompareConfig, policy: str, rep: int, bank: PromptBank,
+                      workloads: list[Workload], prompts: list[list[str]], plan_workloads, log) -> None:
+    cal = cmp.calibration
+    t0 = time.monotonic()
+    safe = policy.replace(":", "_").replace(",", "_").replace("=", "-") + (f"-r{rep}" if rep else "")
+    async with _Running(cfg.stack_config(policy, cfg.out_dir / "logs" / safe)) as stack:
+        cmp.stack_start_s[f"{policy}#{rep}"] = time.monotonic() - t0
+        if not workloads:  # γ was given: measure the capacity on the first policy's stack
+            cal.update(await probe_capacity(stack, cfg, bank))
+            cal["notes"].append(f"capacity measured under policy {policy}")
+            plan_workloads()
+        await run_on_stack(stack, _fixed_workload(2, 16, 8), [bank.text(16, np.random.default_rng(1))] * 2, _quiet(cfg), "warmup")
+        for plan, wl, texts in zip(cfg.workloads, workloads, prompts):
+            if not await wait_idle(stack):
+                log(f"policy {policy}: the stack was still busy after 30 s; starting {plan.spec} anyway")
+            log(f"policy {policy} (repeat {rep + 1}/{cfg.repeats}): workload {plan.spec} ({len(wl)} requests over {plan.duration_s:.0f} s)")
+            result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | {plan.spec}")
+            run = report.summarize(result, steps)
+            run.update(policy=policy, kind=plan.kind, repeat=rep)
+            cmp.runs.append(run)
+            cmp.samples[f"{policy}|{plan.spec}" + (f"|r{rep}" if rep else "")] = result.samples
+            report.write_json(cfg.out_dir / "results.json", cmp.payload())
 
 
 def load_calibration(path: Path) -> dict:

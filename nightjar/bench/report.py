@@ -95,20 +95,44 @@ def _baseline(policies: list[str], kind: str) -> str | None:
 
 
 def goal_rows(runs: list[dict], workload_kinds: dict[str, str], subject: str = "nightjar") -> list[dict]:
-    """One row per (goal, workload): nightjar's ratio to the goal's baseline and whether it met it."""
-    by = {(r["policy"], r["workload"]): r for r in runs}
+    """One row per (goal, workload): nightjar's ratio to the goal's baseline and whether it met it.
+
+    With repeats (``run["repeat"]``), the ratio is taken within each repeat (both runs measured
+    back to back under the same machine load) and the row gives their mean, min and max; the
+    verdict is on the mean.
+    """
+    by = {(r["policy"], r["workload"], r.get("repeat", 0)): r for r in runs}
     policies = sorted({r["policy"] for r in runs})
+    repeats = sorted({r.get("repeat", 0) for r in runs})
     rows = []
     for name, kind, base_kind, met, direction, threshold in GOALS:
         base = _baseline(policies, base_kind)
         for wl, wl_kind in workload_kinds.items():
-            if wl_kind != kind or base is None or (subject, wl) not in by or (base, wl) not in by:
+            if wl_kind != kind or base is None:
                 continue
-            r = ratio(metric(by[(subject, wl)], met), metric(by[(base, wl)], met))
-            ok = None if r is None else (r >= threshold if direction == "ge" else r <= threshold)
-            rows.append({"goal": name, "workload": wl, "baseline": base, "ratio": r,
+            ratios = [ratio(metric(by[(subject, wl, k)], met), metric(by[(base, wl, k)], met))
+                      for k in repeats if (subject, wl, k) in by and (base, wl, k) in by]
+            ratios = [x for x in ratios if x is not None]
+            if not ratios:
+                continue
+            r = sum(ratios) / len(ratios)
+            ok = r >= threshold if direction == "ge" else r <= threshold
+            rows.append({"goal": name, "workload": wl, "baseline": base, "ratio": r, "ratios": ratios,
                          "target": f"{'≥' if direction == 'ge' else '≤'} {threshold:.2f}", "met": ok})
     return rows
+
+
+def average_runs(runs: list[dict]) -> list[dict]:
+    """One run per (policy, workload) with throughput and mean e2e averaged over repeats (for the bar chart)."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["policy"], r["workload"]), []).append(r)
+    out = []
+    for (policy, wl), rs in groups.items():
+        e2e = [r["e2e_s"]["mean"] for r in rs if r["e2e_s"]["mean"] is not None]
+        out.append({"policy": policy, "workload": wl, "tokens_per_s": sum(r["tokens_per_s"] for r in rs) / len(rs),
+                    "e2e_s": {"mean": sum(e2e) / len(e2e) if e2e else None}, "repeats": len(rs)})
+    return out
 
 
 # --------------------------------------------------------------------------- rendering
@@ -119,14 +143,14 @@ def _f(x: float | None, digits: int = 2, scale: float = 1.0) -> str:
 
 
 def markdown_runs(runs: list[dict]) -> str:
-    head = ("| workload | policy | ok/sent | tok/s | req/s | TTFT mean / p50 / p99 (s) | ITL mean / p50 / p99 (ms) "
+    head = ("| workload | policy | rep | ok/sent | tok/s | req/s | TTFT mean / p50 / p99 (s) | ITL mean / p50 / p99 (ms) "
             "| e2e mean / p50 / p99 (s) | γ switches | offloads | acceptance | mean batch |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in runs:
         e = r.get("engine") or {}
         t, i, l = r["ttft_s"], r["itl_s"], r["e2e_s"]
         lines.append(
-            f"| {r['workload']} | {r['policy']} | {r['ok']}/{r['sent']} | {_f(r['tokens_per_s'], 1)} | {_f(r['requests_per_s'], 3)} "
+            f"| {r['workload']} | {r['policy']} | {r.get('repeat', 0) + 1} | {r['ok']}/{r['sent']} | {_f(r['tokens_per_s'], 1)} | {_f(r['requests_per_s'], 3)} "
             f"| {_f(t['mean'])} / {_f(t['p50'])} / {_f(t['p99'])} | {_f(i['mean'], 0, 1e3)} / {_f(i['p50'], 0, 1e3)} / {_f(i['p99'], 0, 1e3)} "
             f"| {_f(l['mean'])} / {_f(l['p50'])} / {_f(l['p99'])} | {e.get('gamma_switches', '–')} | {e.get('offloads', '–')} "
             f"| {_f(e.get('acceptance'))} | {_f(e.get('mean_batch'), 1)} |")
@@ -137,7 +161,10 @@ def markdown_goals(rows: list[dict]) -> str:
     lines = ["| goal | workload | baseline | nightjar ÷ baseline | target | result |", "|---|---|---|---|---|---|"]
     for r in rows:
         verdict = "–" if r["met"] is None else ("met" if r["met"] else "**missed**")
-        lines.append(f"| {r['goal']} | {r['workload']} | {r['baseline']} | {_f(r['ratio'], 3)} | {r['target']} | {verdict} |")
+        value = _f(r["ratio"], 3)
+        if len(r.get("ratios", ())) > 1:
+            value += f" ({min(r['ratios']):.3f}–{max(r['ratios']):.3f}, {len(r['ratios'])} repeats)"
+        lines.append(f"| {r['goal']} | {r['workload']} | {r['baseline']} | {value} | {r['target']} | {verdict} |")
     return "\n".join(lines)
 
 

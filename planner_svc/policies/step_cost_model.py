@@ -4,9 +4,10 @@ The verify pass costs v(n) for n = B·(γ+1) tokens (roofline: flat while memory
 once compute-bound), and the draft costs d(B) per pass, γ passes a step. Both are learned as
 running means per n (per B for the draft) with a capped weight, i.e. a mean that turns into an
 exponential average of the last ``cap`` observations, so old data decays as new data arrives.
-Between observed points the model interpolates linearly; above the largest it extrapolates
-with the last slope clamped to [0, v(n_max)/n_max] (flat = still memory-bound, proportional =
-fully compute-bound, the two roofline limits); below the smallest it holds the smallest. Outside
+Between observed points the model interpolates linearly; beyond the observed range on either
+side it extrapolates with the slope of the nearest half of the range, clamped to [0, v/n] (flat
+= memory-bound, proportional = compute-bound: the two roofline limits). Below the range that
+errs optimistic, so an unplayed cheap arm gets probed rather than written off. Outside
 the batch sizes the draft was measured at, d(B) follows the shape of v: d(B₀)·v(B)/v(B₀).
 
 So a γ=0 step at B=32 (n = 32) predicts the verify cost of γ=3 at B=8 (n = 32): one
@@ -69,19 +70,23 @@ class _Curve:
             raise ValueError("no observations yet")
         fp = self.mean[xp]
         out = np.interp(x, xp, fp)
-        top_x, top_v = xp[-1], fp[-1]
+        top_x, top_v, low_x, low_v = xp[-1], fp[-1], xp[0], fp[0]
         if len(xp) >= 2:
-            # Slope over the upper half of the observed range, so one noisy cell does not set it.
-            lo = xp[np.searchsorted(xp, top_x // 2, side="left")] if top_x >= 2 else xp[0]
+            # Slopes over the upper / lower half of the observed range, so one noisy cell does
+            # not set them.
+            lo = xp[np.searchsorted(xp, top_x // 2, side="left")]
             lo = lo if lo < top_x else xp[-2]
-            slope = (top_v - self.mean[lo]) / (top_x - lo)
+            top_slope = (top_v - self.mean[lo]) / (top_x - lo)
+            hi = xp[np.searchsorted(xp, 2 * low_x, side="right") - 1]
+            hi = hi if hi > low_x else xp[1]
+            low_slope = (self.mean[hi] - low_v) / (hi - low_x)
         else:
-            slope = top_v / top_x
-        slope = min(max(slope, 0.0), top_v / top_x)
-        above = x > top_x
-        if np.any(above):
-            out = np.where(above, top_v + slope * (x - top_x), out)
-        return out
+            top_slope = low_slope = 0.5 * top_v / top_x  # one point: halfway between the limits
+        # Clamp to the roofline's limits: flat (memory-bound) ... proportional (compute-bound).
+        top_slope = min(max(top_slope, 0.0), top_v / top_x)
+        low_slope = min(max(low_slope, 0.0), low_v / low_x)
+        out = np.where(x > top_x, top_v + top_slope * (x - top_x), out)
+        return np.where(x < low_x, low_v - low_slope * (low_x - x), out)
 
     def state_dict(self) -> dict[str, Any]:
         idx = np.flatnonzero(self.weight)
