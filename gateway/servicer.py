@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from gateway.admission import AdmissionTable
 from gateway.config import GatewayConfig
-from gateway.errors import DeadlineExceeded, InvalidArgument, RequestFailed
+from gateway.errors import DeadlineExceeded, InvalidArgument, RequestFailed, Unavailable
 from gateway.follower import RequestQueue
 from gateway.text_stream import IndexDedup, StopCutter
 from gateway.validation import Limits, check_length, validate
@@ -108,7 +108,10 @@ class _Completion:
             if chunk.finish_reason == "rejected":  # the engine refused the parameters
                 raise InvalidArgument("request", chunk.error or "refused by the engine")
             raise RequestFailed(chunk.error or f"the request ended with {chunk.finish_reason!r}")
-        new = self._dedup.fresh(chunk.index, chunk.token_ids)
+        try:
+            new = self._dedup.fresh(chunk.index, chunk.token_ids)
+        except ValueError as exc:  # entries were lost (e.g. Redis restarted empty mid-request)
+            raise Unavailable(f"the request's output stream lost entries ({exc}); retry the request") from None
         text = self._cutter.push(self._detok.push(new)) if new else ""
         if chunk.finish_reason is not None:
             self.done, self.final_seen = True, True

@@ -85,41 +85,41 @@ def memory_bandwidth_gbs() -> float:
 
 
 def profile_batch1(eng: Engine, work) -> dict:
-    from torch.profiler import ProfilerActivity, profile
+    """Batch-1 decode: ms/token, and where a step's time goes. cProfile, not torch.profiler:
+    the latter's per-op cost (tens of us) is as large as the ops of a model this small."""
+    import cProfile
+    import pstats
 
     ids, _ = work[0]
-    eng.add_request(EngineRequest("prof", ids, SamplingParams(max_tokens=80, ignore_eos=True)))
+    eng.add_request(EngineRequest("prof", ids, SamplingParams(max_tokens=100, ignore_eos=True)))
     for _ in range(8):  # prefill + warm decode
         eng.step()
     steps = 40
     t = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            eng.step()
+    for _ in range(steps):
+        eng.step()
+    per_token_ms = (time.perf_counter() - t) / steps * 1e3
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        eng.step()
+    prof.disable()
     wall_ms = (time.perf_counter() - t) / steps * 1e3
     while eng.has_unfinished():
         eng.step()
-    t = time.perf_counter()
-    eng.add_request(EngineRequest("prof2", ids, SamplingParams(max_tokens=48, ignore_eos=True)))
-    eng.step()
-    t_pref = time.perf_counter()
-    while eng.has_unfinished():
-        eng.step()
-    per_token_ms = (time.perf_counter() - t_pref) / 47 * 1e3
+    kinds = {"matmul": ("linear", "addmm", "matmul"), "attention (sdpa)": ("scaled_dot_product_attention",),
+             "kv gather/write": ("index_select", "index_copy_"), "rmsnorm": ("rms_norm",)}
     groups: dict[str, float] = {}
-    for ev in prof.key_averages():
-        if not ev.key.startswith("aten::") or ev.key in ("aten::empty", "aten::empty_strided"):
-            continue
-        name = {"aten::linear": "matmul", "aten::addmm": "", "aten::mm": "", "aten::matmul": "",
-                "aten::scaled_dot_product_attention": "attention", "aten::index_select": "kv gather",
-                "aten::index_copy_": "kv write", "aten::rms_norm": "rmsnorm"}.get(ev.key, "other ops")
-        if name:
-            groups[name] = groups.get(name, 0.0) + ev.self_cpu_time_total / 1e3 / steps
-    # linear's own self time excludes its addmm/mm children: fold them in
-    for child in ("aten::addmm", "aten::mm"):
-        for ev in prof.key_averages():
-            if ev.key == child:
-                groups["matmul"] = groups.get("matmul", 0.0) + ev.self_cpu_time_total / 1e3 / steps
+    for (file, _line, func), (_cc, _nc, tt, _ct, _callers) in pstats.Stats(prof).stats.items():
+        ms = tt * 1e3 / steps
+        if func == "_lin":  # x @ W is an operator, not a call: its time is _lin's own time
+            kind = "matmul"
+        elif file == "~":
+            kind = next((k for k, keys in kinds.items() if any(key in func for key in keys)), "other torch ops")
+        else:
+            kind = "python (engine + model code)"
+        groups[kind] = groups.get(kind, 0.0) + ms
     weight_bytes = eng.runner.model.weight_bytes
     bw = memory_bandwidth_gbs()
     return {"per_token_ms": per_token_ms, "profiled_step_ms": wall_ms, "weight_bytes": weight_bytes,

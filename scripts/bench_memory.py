@@ -8,8 +8,9 @@
 2. Capacity: target KV blocks and concurrent sequences with the draft resident vs offloaded,
    against the prediction (draft weights + draft pool) ÷ bytes per target block.
 3. Overload: a KV budget sized so the draft's weights are ``--draft-share`` of the KV pool
-   (the paper's 8B + 1B on a 24 GB card frees ~60% more KV space). Poisson arrivals above what
-   the resident-draft pool can hold; two engines run the same arrivals side by side:
+   (the paper's 8B + 1B on a 24 GB card frees ~60% more KV space). Poisson arrivals at
+   ``--overload`` x what the resident pool sustains (decode tok/s with the pool full, measured
+   first); two engines run the same arrivals side by side:
      resident: draft kept on the device, speculation off (γ = 0);
      elastic:  speculation at low batch (γ table), a PressureRule offloads under sustained
                pressure and reloads when it falls.
@@ -79,15 +80,16 @@ def bench_transfer(eng: Engine, cycles: int) -> dict:
             pause[d].append(time.perf_counter() - t0)
             resize[d].append(mem.last_resize_ms)
             copy[d].append((mem.last_offload if d == "offload" else mem.last_reload).seconds)
-            # a reload writes into new device tensors: its reference copy allocates its destination too
-            plain[d].append(plain_copy_seconds(nbytes, dev, d, repeats=1, fresh=d == "reload"))
+            # reference: the same bytes as one tensor into a preallocated destination (the physical limit)
+            plain[d].append(plain_copy_seconds(nbytes, dev, d, repeats=1))
         assert mem.state == "resident"
     out = {"bytes": nbytes, "device": str(dev)}
-    for d in ("offload", "reload"):
-        c, p = statistics.median(copy[d]), statistics.median(plain[d])
+    for d in ("offload", "reload"):  # best of N: on a shared machine the minimum is the uncontended cost
+        c, p = min(copy[d]), min(plain[d])
         out[d] = {"copy_ms": c * 1e3, "gbps": nbytes / c / 1e9, "plain_ms": p * 1e3, "plain_gbps": nbytes / p / 1e9,
-                  "fraction_of_plain": p / c, "pool_resize_ms": statistics.median(resize[d]),
-                  "pause_ms": statistics.median(pause[d]) * 1e3}
+                  "fraction_of_plain": p / c, "pool_resize_ms": min(resize[d]), "pause_ms": min(pause[d]) * 1e3,
+                  "copy_ms_median": statistics.median(copy[d]) * 1e3, "plain_ms_median": statistics.median(plain[d]) * 1e3,
+                  "pause_ms_median": statistics.median(pause[d]) * 1e3}
     return out
 
 
@@ -144,6 +146,7 @@ class Driver:
         self.first: dict[str, float] = {}
         self.done: dict[str, float] = {}
         self.tokens = 0
+        self.step_s: list[float] = []
         self.timeline: list[tuple] = []  # (t, running, blocks_total, blocks_used, residency, gamma, waiting)
         m = eng.memory
         self._counts0 = (m.offloads, m.reloads, m.refusals)
@@ -161,7 +164,9 @@ class Driver:
             return
         t0 = time.perf_counter()
         outs = eng.step()
-        self.t += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.t += dt
+        self.step_s.append(dt)
         for o in outs:
             if o.new_token_ids and o.request_id not in self.first:
                 self.first[o.request_id] = self.t
@@ -184,7 +189,7 @@ class Driver:
                 "offloads": self.eng.memory.offloads - self._counts0[0],
                 "reloads": self.eng.memory.reloads - self._counts0[1],
                 "refusals": self.eng.memory.refusals - self._counts0[2],
-                "steps": len(self.timeline)}
+                "steps": len(self.timeline), "median_step_ms": statistics.median(self.step_s) * 1e3}
 
 
 def run_side_by_side(drivers: list[Driver]) -> None:
@@ -280,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--out-min", type=int, default=96)
     ap.add_argument("--out-max", type=int, default=160)
-    ap.add_argument("--overload", type=float, default=0.0, help="arrival rate ÷ the resident pool's sustainable "
+    ap.add_argument("--overload", type=float, default=3.0, help="arrival rate ÷ the resident pool's sustainable "
                     "rate; 0 = midway between the resident and the offloaded pool's sustainable rates")
     ap.add_argument("--cycles", type=int, default=9)
     ap.add_argument("--seed", type=int, default=0)
@@ -299,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     tr = bench_transfer(elastic_eng, args.cycles)
     results["transfer"] = tr
     print(f"\n== transfer of the draft's weights ({tr['bytes'] / 2**20:.1f} MiB, device {tr['device']}, "
-          f"median of {args.cycles} cycles)")
+          f"best of {args.cycles} cycles, each interleaved with its plain copy)")
     print(f"{'':8} {'copy ms':>8} {'GB/s':>7} {'plain ms':>9} {'plain GB/s':>10} {'of plain':>8} {'resize ms':>9} {'pause ms':>9}")
     for d in ("offload", "reload"):
         r = tr[d]
@@ -345,12 +350,14 @@ def main(argv: list[str] | None = None) -> int:
     results["overload"]["ttft_p50_reduction"] = cut
     results["overload"]["throughput_ratio"] = thr
     print(f"TTFT p50 {cut:+.0%} lower with offload (goal >= 30%); throughput x{thr:.2f} (goal >= 1.0)")
+    print(f"offload / reload pause on the engine thread {tr['offload']['pause_ms']:.1f} / {tr['reload']['pause_ms']:.1f} ms "
+          f"(best of {args.cycles}) vs a median step of {sb['median_step_ms']:.1f} ms in this run")
 
     if not args.skip_ramp:
         base, n = c_r, args.ramp_requests
 
-        def ramp(i: int) -> float:  # the first and last quarter of the requests at 0.3x, the middle half at 1.5x
-            return 1.5 * base if n // 4 <= i < n - n // 4 else 0.3 * base
+        def ramp(i: int) -> float:  # the first and last quarter of the requests at 0.3x, the middle half at 3x
+            return 3.0 * base if n // 4 <= i < n - n // 4 else 0.3 * base
 
         arr = workload(tok, args.ramp_requests, ramp, args.prompt_tokens, (args.out_min, args.out_max),
                        args.seed + 1, "r")
@@ -359,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         ra, rb = Driver("resident γ=0", resident_eng, arr), Driver("elastic", elastic_eng, arr)
         run_side_by_side([ra, rb])
         results["ramp"] = {"resident": ra.summary(), "elastic": rb.summary()}
-        print(f"\n== ramp 0.3x -> 1.5x -> 0.3x of the resident pool's sustainable rate: {args.ramp_requests} requests")
+        print(f"\n== ramp 0.3x -> 3x -> 0.3x of the resident pool's sustainable rate: {args.ramp_requests} requests")
         for name, s in (("resident γ=0", ra.summary()), ("elastic", rb.summary())):
             print(f"{name:14} TTFT p50 {s['ttft_p50_s']:.2f} s, p90 {s['ttft_p90_s']:.2f} s, {s['throughput_tok_s']:.1f} "
                   f"tok/s, offloads {s['offloads']}, reloads {s['reloads']}, refusals {s['refusals']}")

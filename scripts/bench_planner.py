@@ -70,14 +70,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--matrices-only", action="store_true", help="print only the policy × trace matrices and goals")
     a = p.parse_args(argv)
 
-    config = SimConfig(gamma_max=a.gamma_max, workers=a.workers, noise=a.noise, seed=a.seed)
     path = Path(a.surface) if a.surface else MEASURED
     if not a.roofline and path.exists():
         surface = load_table(path, max_batch=256)
+        a.gamma_max = min(a.gamma_max, surface.gamma_max)  # a table measured fewer γ than asked
     else:
         surface = roofline(a.gamma_max, 256)
+    config = SimConfig(gamma_max=a.gamma_max, workers=a.workers, noise=a.noise, seed=a.seed)
     acceptance = AcceptanceProcess(surface.acceptance or config.alphas, a.gamma_max)
-    policies = [s for s in a.policies.split(";") if s]
+    policies = []
+    for spec in (s for s in a.policies.split(";") if s):
+        try:
+            make_policy(spec, gamma_max=a.gamma_max)
+            policies.append(spec)
+        except ValueError as exc:
+            print(f"# skipping {spec}: {exc}")
     traces = [s for s in a.traces.split(";") if s]
     print(f"# cost surface: {surface.name}; gamma_max={a.gamma_max}; workers={a.workers}; noise=±{a.noise:.0%}; "
           f"requests/trace={a.requests}; KV {config.kv_tokens} tokens/worker (+{config.draft_kv_share:.0%} with the "

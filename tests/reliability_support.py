@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import functools
+import os
 import subprocess
 import sys
 import time
@@ -49,6 +50,8 @@ def start_stack(workers: int = 1, **kw) -> Stack:
     """A stack with its own embedded Redis (so a test may restart that Redis)."""
     target, draft = pair()
     kw.setdefault("worker_threads", 1)
+    if os.environ.get("NIGHTJAR_TEST_LOG_DIR"):  # keep the services' logs for a post-mortem
+        kw.setdefault("log_dir", Path(os.environ["NIGHTJAR_TEST_LOG_DIR"]) / uuid.uuid4().hex[:6])
     cfg = StackConfig(port=0, workers=workers, key_prefix=f"f{uuid.uuid4().hex[:8]}", target_path=Path(target),
                       draft_path=Path(draft), **kw)
     return Stack(cfg).start()
@@ -135,8 +138,6 @@ def respawn(stack: Stack, svc: Service) -> Service:
     assert not svc.alive(), "respawn only a dead service"
     log_path = svc.log_path.with_name(f"{svc.log_path.stem}-re{int(time.time() * 1000) % 100000}.log")
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    import os
-
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "nightjar.cli", svc.name, *svc.args], stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **env},

@@ -309,3 +309,13 @@ def test_policy_and_workload_specs_resolve():
     assert plan.spec == "burst" and plan.duration_s == 12.5
     with pytest.raises(SystemExit):
         parser().parse_args(["--workloads", "burst@soon"])
+
+
+def test_kv_budget_makes_the_draft_the_asked_share():
+    from nightjar.bench.compare import draft_weight_bytes, kv_budget_for_share
+
+    draft = draft_weight_bytes()
+    assert draft > 1 << 20  # float32 bytes of a real checkpoint, not a header's size
+    assert kv_budget_for_share(0.6) == pytest.approx(draft / 0.6, abs=1)
+    with pytest.raises(ValueError, match="draft-share"):
+        kv_budget_for_share(0)

@@ -94,7 +94,7 @@ async def test_job_streams_indexed_chunks_then_is_acked_and_released(svc):
 
 async def test_refused_expired_and_cancelled_jobs_get_a_final_chunk_without_running(svc):
     service, redis, keys = svc
-    await submit(redis, keys, "huge", [1, 2, 3], max_tokens=10**6)
+    await submit(redis, keys, "huge", [1, 2, 10**7], max_tokens=4)  # a token id outside the vocabulary
     await redis.set(keys.cancel("gone"), "cancelled")
     await submit(redis, keys, "gone", [1, 2, 3], max_tokens=4)
     job = Job(request_id="late", prompt_token_ids=(1, 2), params={"max_tokens": 4}, deadline_unix_ms=now_ms() - 1)

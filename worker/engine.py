@@ -177,7 +177,8 @@ class Engine:
             return outputs
         dev = self.runner.model.device
         rp = RowParams.of([s.params for s in batch.decode]).to(dev)
-        u = draw_uniforms([s.generator for s in batch.decode], 2 * batch.gamma + 1).to(dev)  # [Bd, 2γ+1]
+        gens = [None if s.greedy else s.generator for s in batch.decode]
+        u = draw_uniforms(gens, 2 * batch.gamma + 1).to(dev)  # [Bd, 2γ+1]: draft, accept, final
         prop = self.speculator.propose(batch.decode, batch.gamma, rp, u) if batch.gamma else None
         t1 = time.perf_counter()
         logits = self._verify(batch, prop)
@@ -237,7 +238,8 @@ class Engine:
             if erp.all_greedy:
                 toks = pl.argmax(-1).tolist()
             else:
-                toks = sample(probs_from_logits(pl, erp), draw_uniforms([s.generator for s in ending], 1)[:, 0].to(dev)).tolist()
+                u_end = draw_uniforms([s.generator for s in ending], 1)[:, 0].to(dev)
+                toks = sample(probs_from_logits(pl, erp), u_end).tolist()
             out.extend((s, [t]) for s, t in zip(ending, toks))
         return out, n
 

@@ -108,8 +108,12 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_max(probs.shape[1] - 1)
 
 
-def draw_uniforms(generators: list[torch.Generator], n: int) -> torch.Tensor:
-    """[R, n] uniforms, row r from request r's own generator."""
-    if n == 0 or not generators:
-        return torch.zeros(len(generators), n)
-    return torch.stack([torch.rand(n, generator=g) for g in generators])  # CPU generators: device-independent
+def draw_uniforms(generators: list[torch.Generator | None], n: int) -> torch.Tensor:
+    """[R, n] uniforms, row r from request r's own generator; None (a greedy row) gives zeros
+    and consumes nothing."""
+    out = torch.zeros(len(generators), n)
+    if n:
+        for i, g in enumerate(generators):
+            if g is not None:
+                out[i] = torch.rand(n, generator=g)  # CPU generators: device-independent
+    return out

@@ -39,6 +39,20 @@ return 0
 """
 
 
+class _Ops:
+    """Records pipeline calls (xadd, pexpire, ...) so a failed round trip can be replayed."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kw: self.calls.append((name, args, kw))
+
+    def replay(self, pipe) -> None:
+        for name, args, kw in self.calls:
+            getattr(pipe, name)(*args, **kw)
+
+
 @dataclass
 class Active:
     entry_id: bytes
@@ -148,24 +162,29 @@ class WorkerService:
                 self._ack(pipe, entry_id)
                 continue
             jobs.append((entry_id, job))
-        cancelled = await self.redis.mget([self.keys.cancel(j.request_id) for _, j in jobs]) if jobs else []
         now = now_ms()
-        for (entry_id, job), flag in zip(jobs, cancelled):
-            if flag is not None:
-                self._finish(pipe, job.request_id, entry_id, OutputChunk(job.request_id, 0, finish_reason="abort", worker_id=self.cfg.worker_id))
-            elif job.deadline_unix_ms and now >= job.deadline_unix_ms:
+        started = []
+        for entry_id, job in jobs:
+            if job.deadline_unix_ms and now >= job.deadline_unix_ms:
                 self._finish(pipe, job.request_id, entry_id, OutputChunk(
                     job.request_id, 0, finish_reason="deadline", error="the deadline passed before the request ran",
                     worker_id=self.cfg.worker_id))
-            else:
-                try:
-                    params = job.sampling
-                except MessageError as exc:
-                    self._finish(pipe, job.request_id, entry_id, OutputChunk(
-                        job.request_id, 0, finish_reason="error", error=f"bad sampling params: {exc}", worker_id=self.cfg.worker_id))
-                    continue
-                self.active[job.request_id] = Active(entry_id, job)
-                self.engine.submit(Add(job.request_id, list(job.prompt_token_ids), params))
+                continue
+            try:
+                params = job.sampling
+            except MessageError as exc:
+                self._finish(pipe, job.request_id, entry_id, OutputChunk(
+                    job.request_id, 0, finish_reason="error", error=f"bad sampling params: {exc}", worker_id=self.cfg.worker_id))
+                continue
+            self.active[job.request_id] = Active(entry_id, job)
+            self.engine.submit(Add(job.request_id, list(job.prompt_token_ids), params))
+            started.append(job.request_id)
+        # Cancelled before it got here (e.g. while queued or re-dispatched)? Checked after the
+        # hand-off so the check's round trip is not on every request's time to first token.
+        if started:
+            for rid, flag in zip(started, await self.redis.mget([self.keys.cancel(r) for r in started])):
+                if flag is not None:
+                    self.engine.submit(Abort(rid))
         if len(pipe):
             await pipe.execute()
 
@@ -206,20 +225,32 @@ class WorkerService:
                 self._accepting = False
                 self._stop.set()
                 return
-            pipe = self.redis.pipeline(transaction=False)
+            ops = _Ops()
             for result in results:
-                self._queue_result(pipe, result)
+                self._queue_result(ops, result)
             if results[-1].snapshot.draft_residency != self.snapshot.draft_residency:
                 m.set_residency(results[-1].snapshot.draft_residency)
             self.snapshot = results[-1].snapshot
-            if len(pipe):
-                try:
-                    await pipe.execute()
-                except (RedisError, OSError) as exc:
-                    log.error("could not write a step's output (%s); clients will see the re-run", exc)
+            await self._write_until_done(ops)
             for result in results:
                 if result.stats is not None:
                     m.observe_step(result.stats)
+
+    async def _write_until_done(self, ops: "_Ops") -> None:
+        """One round trip for a batch of steps, retried until Redis takes it: a dropped chunk
+        would leave a gap in a client's stream, a dropped final record a client waiting forever.
+        Every op is idempotent or deduplicated by index, so replaying a partial write is safe."""
+        delay_s = 0.1
+        while ops.calls:
+            pipe = self.redis.pipeline(transaction=False)
+            ops.replay(pipe)
+            try:
+                await pipe.execute()
+                return
+            except (RedisError, OSError) as exc:
+                log.error("could not write a step's output (%s); retrying in %.1fs", exc, delay_s)
+                await asyncio.sleep(delay_s)
+                delay_s = min(2.0, delay_s * 2)
 
     def _queue_result(self, pipe, result: StepResult) -> None:
         wid = self.cfg.worker_id

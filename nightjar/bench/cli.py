@@ -51,7 +51,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-scale", type=float, default=0.25, help="× the trace's prompt lengths")
     p.add_argument("--output-scale", type=float, default=0.25, help="× the trace's output lengths")
     p.add_argument("--max-output", type=int, default=64, help="cap on a request's output tokens after scaling")
-    p.add_argument("--kv-budget-bytes", type=int, default=None, help="worker KV budget (the memory overload scenario's)")
+    p.add_argument("--draft-share", type=float, default=0.6,
+                   help="size the worker's KV budget so the draft's weights are this share of it (the memory work's "
+                        "overload scenario); 0 = the engine's default budget")
+    p.add_argument("--kv-budget-bytes", type=int, default=None, help="worker KV budget in bytes (overrides --draft-share)")
     p.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker (1 avoids OpenMP stalls on a busy machine)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker argument (repeatable), e.g. --worker-arg=--max-running=32")
     p.add_argument("--capacity-rps", type=float, default=None, help="skip the capacity probe")
@@ -98,14 +101,24 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
             p.error(f"--calibration {a.calibration}: {exc}")
         capacity = capacity or cal["capacity_rps"]
         fixed_gamma = fixed_gamma if a.fixed_gamma is not None else cal["fixed_gamma"]
+    kv_budget = a.kv_budget_bytes
+    if kv_budget is None and a.draft_share:
+        from nightjar.bench.compare import kv_budget_for_share
+
+        try:
+            kv_budget = kv_budget_for_share(a.draft_share)
+        except ValueError as exc:
+            p.error(str(exc))
     try:
         cfg = CompareConfig(policies=policies, workloads=workloads, out_dir=out, seed=a.seed, scale=scale,
-                            drain_timeout_s=a.drain_timeout_s or (15.0 if a.quick else 20.0), kv_budget_bytes=a.kv_budget_bytes,
+                            drain_timeout_s=a.drain_timeout_s or (15.0 if a.quick else 20.0), kv_budget_bytes=kv_budget,
                             worker_args=tuple(a.worker_arg), worker_threads=a.worker_threads, capacity_rps=capacity, fixed_gamma=fixed_gamma,
                             capacity_probe_s=12.0 if a.quick else 20.0, repeats=a.repeats, progress=not a.no_progress)
     except ValueError as exc:
         p.error(str(exc))
     t0 = time.monotonic()
+    print(f"bench: KV budget {'engine default' if cfg.kv_budget_bytes is None else f'{cfg.kv_budget_bytes / 2**20:.1f} MiB'}",
+          file=sys.stderr)
     try:
         cmp = run_comparison(cfg, log=lambda m: print(f"bench: {m}", file=sys.stderr, flush=True))
     except (RuntimeError, TimeoutError) as exc:

@@ -3,23 +3,27 @@
 Every policy gets a new ``Stack`` (embedded Redis, gateway, scheduler, planner ``--policy``,
 workers) with the same seed, workloads, models and memory budget, is warmed up with two short
 requests, and then runs the workloads in the same order; the stack drains between workloads.
+With ``repeats`` the whole sweep runs again, policies interleaved.
 
-Calibration (``calibrate``) runs first on its own stack without a planner, publishing fixed
-policies itself: γ = 0…γmax one request at a time (the γ that is best at batch 1 is what
-standard speculative decoding would run), then a saturating burst at γ = 0 that measures the
-capacity the workloads' loads are relative to.
-"""
+Calibration first: unless γ is given, a stack without a planner runs γ = 0…4 one request at a
+time, the bench publishing each fixed policy itself (the γ that decodes fastest at batch 1 is
+what standard speculative decoding would run: ``fixed:G``), then a closed-loop probe at γ = 0
+measures the saturated capacity that the workloads' loads are multiples of. When γ is given,
+the capacity probe runs on the first policy's stack instead (one stack start fewer)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import struct
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
+from nightjar import paths
 from nightjar.bench import report
 from nightjar.bench.loadgen import LoadConfig, LoadResult, model_info, run_load
 from nightjar.bench.probe import StackProbe, summarize_steps
@@ -96,6 +100,29 @@ class CompareConfig:
         return StackConfig(port=0, workers=self.workers, policy=policy, planner=planner, worker_args=tuple(args),
                            worker_threads=self.worker_threads,
                            planner_args=planner_args, log_dir=log_dir, log_level="WARNING")
+
+
+def draft_weight_bytes(model_dir: Path = paths.DEFAULT_DRAFT, dtype_bytes: int = 4) -> int:
+    """Bytes of the draft's weights on the device: parameters (from the safetensors header,
+    no torch needed) × the worker's element size (float32 by default)."""
+    total = 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    if total == 0:
+        raise ValueError(f"{model_dir} holds no *.safetensors weights")
+    return total * dtype_bytes
+
+
+def kv_budget_for_share(share: float, model_dir: Path = paths.DEFAULT_DRAFT) -> int:
+    """The KV budget (target + draft pools) of which the draft's weights are ``share``: the
+    memory work's overload scenario (an 8B target with a 1B draft on a 24 GB card gains ~60%
+    more KV when the draft leaves)."""
+    if not 0 < share <= 4:
+        raise ValueError(f"--draft-share must be in (0, 4], got {share}")
+    return int(draft_weight_bytes(model_dir) / share)
 
 
 def resolve_policy(spec: str, fixed_gamma: int) -> str:
@@ -238,6 +265,7 @@ class Comparison:
         kinds = {w.spec: w.kind for w in self.cfg.workloads}
         return {"config": {"policies": self.cfg.policies, "workloads": [(w.spec, w.duration_s) for w in self.cfg.workloads],
                            "seed": self.cfg.seed, "scale": self.cfg.scale.__dict__, "kv_budget_bytes": self.cfg.kv_budget_bytes,
+                           "draft_weight_bytes": draft_weight_bytes(),
                            "drain_timeout_s": self.cfg.drain_timeout_s, "workers": self.cfg.workers,
                            "worker_threads": self.cfg.worker_threads, "worker_args": self.cfg.worker_args},
                 "started_unix": self.started_unix, "calibration": self.calibration, "stack_start_s": self.stack_start_s,

@@ -116,7 +116,7 @@ async def run_load(workload: Workload, prompts: list[str], cfg: LoadConfig, prob
         raise ValueError(f"need one prompt per request: {len(prompts)} prompts for {len(workload)} requests")
     own_channel = channel is None
     if own_channel:
-        channel = grpc.aio.insecure_channel(cfg.target, options=[("grpc.max_concurrent_streams", 0)])
+        channel = grpc.aio.insecure_channel(cfg.target)  # one HTTP/2 connection: every request a stream on it
     stub = pb_grpc.InferenceServiceStub(channel)
     records = [RequestRecord(i, float(t), int(p), int(o)) for i, (t, p, o) in
                enumerate(zip(workload.arrival_s, workload.prompt_tokens, workload.output_tokens))]
@@ -225,9 +225,12 @@ class _Progress:
     """A rich progress bar of finished requests."""
 
     def __init__(self, label: str, total: int) -> None:
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        # stderr: stdout carries the report, and may be redirected to a file.
+        self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                             console=Console(stderr=True))
         self._task = self._bar.add_task(label or "load", total=total)
         self._bar.start()
 

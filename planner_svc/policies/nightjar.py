@@ -109,6 +109,9 @@ class _Timeline:
         if self.hist_scale > 1e9 or self.catchup_scale > 1e9:
             self.normalise()
 
+    def charge(self, arm: int, catchup_ms: float) -> None:
+        self.catchup[arm] += catchup_ms * self.catchup_scale
+
     def normalise(self) -> None:
         self.hist /= self.hist_scale
         self.catchup = [c / self.catchup_scale for c in self.catchup]
@@ -143,8 +146,10 @@ class NightjarPolicy(GammaPolicy):
         lows = (1,) + tuple(b + 1 for b in self.buckets[:-1])
         highs = self.buckets[:-1] + (max(top, self.buckets[-1]),)
         self.timelines = [_Timeline(lo, hi, arm0, gamma_max + 1) for lo, hi in zip(lows, highs)]
-        self.workers_lag: dict[str, tuple[int, float]] = {}  # worker -> (γ=0 steps in a row, tokens/seq)
+        # worker -> (γ=0 steps in a row, tokens per sequence, bucket of its last step)
+        self.workers_lag: dict[str, tuple[int, float, int]] = {}
         self.updates = 0
+        self.bins_ended = 0
         self.switches = 0  # table changes (bin decisions that changed a bucket's γ)
 
     # --- select --------------------------------------------------------------------------------
@@ -190,16 +195,25 @@ class NightjarPolicy(GammaPolicy):
             self.cost.observe(b, g, stats.draft_ms, stats.verify_ms)
         if stats.catchup_tokens > 0:
             self.cost.observe_catchup(stats.catchup_tokens, stats.catchup_ms)
-        run = self.workers_lag.get(stats.worker_id, (0, 0.0))[0]
+        bucket = bucket_index(self.buckets, b)
+        tl = self.timelines[bucket]
+        run, _, zero_bucket = self.workers_lag.get(stats.worker_id, (0, 0.0, bucket))
         tokens_per_seq = stats.kv_blocks_used * self.settings.residency.block_tokens / b
-        self.workers_lag[stats.worker_id] = (run + 1 if g == 0 else 0, tokens_per_seq)
-        tl = self.timelines[bucket_index(self.buckets, b)]
-        tl.observe(b, g, stats.catchup_ms)
+        self.workers_lag[stats.worker_id] = (run + 1, tokens_per_seq, bucket) if g == 0 else (0, tokens_per_seq, bucket)
+        # Who pays a catch-up: after steady speculation it is the draft prefilling new prompts, a
+        # running cost of this arm; after a γ=0 run in another bucket it is that bucket's γ=0
+        # leaving the draft behind (so tables that flip across a boundary look as dear as they
+        # are); after a γ=0 run in this bucket it is this bucket's own switch, which the
+        # decision rules already price (amortised catch-up), so no arm is charged.
+        tl.observe(b, g, stats.catchup_ms if run == 0 else 0.0)
+        if run and stats.catchup_ms and zero_bucket != bucket:
+            self.timelines[zero_bucket].charge(0, stats.catchup_ms)
         tl.steps += 1
         tl.plays[g] += 1
         tl.last_played[g] = tl.steps
-        if g == tl.arm:
-            tl.bin_ms += stats.draft_ms + stats.verify_ms + stats.catchup_ms
+        if g == tl.arm:  # the bin's observed loss, prefill rows taken out as the prediction does
+            prefill_ms = self.cost.prefill_ms_per_token * stats.prefill_tokens
+            tl.bin_ms += stats.draft_ms + max(stats.verify_ms - prefill_ms, 0.0) + stats.catchup_ms
             tl.bin_tokens += max(stats.emitted_tokens, 1)
         tl.steps_left -= 1
         if tl.steps_left <= 0:
@@ -232,9 +246,11 @@ class NightjarPolicy(GammaPolicy):
         tl.predicted = float(loss[tl.arm])
         if tl.arm != old:
             self.switches += 1
-        for i, other in enumerate(self.timelines):
-            if other.steps == 0:  # never visited: start it at the model's choice, not the prior
-                other.arm = other.exploit_arm = int(np.argmin(self.losses(i)))
+        if self.bins_ended % 8 == 0:
+            for i, other in enumerate(self.timelines):
+                if other.steps == 0:  # never visited: start it at the model's choice, not the prior
+                    other.arm = other.exploit_arm = int(np.argmin(self.losses(i)))
+        self.bins_ended += 1
 
     def _catchup_ms(self, batch: float) -> float:
         """Expected draft catch-up if speculation turned on now: per-token cost × live lag.
@@ -244,7 +260,7 @@ class NightjarPolicy(GammaPolicy):
         """
         if not self.workers_lag:
             return 0.0
-        lag = sum(min(run, ctx) for run, ctx in self.workers_lag.values()) / len(self.workers_lag)
+        lag = sum(min(run, ctx) for run, ctx, _ in self.workers_lag.values()) / len(self.workers_lag)
         return self.cost.catchup_ms_per_token() * batch * lag
 
     def _exploit_choice(self, tl: _Timeline, loss: np.ndarray) -> int:

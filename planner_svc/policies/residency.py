@@ -79,6 +79,8 @@ class ResidencyController:
                 w.residency, w.steps_since_change = OFFLOADED, 0
                 w.offloads += 1
             return
+        if w.steps_since_change % 16:
+            return  # reload is a slow decision; checking it every 16 steps keeps update() cheap
         pool = w.resident_kv_total or total // 2
         if w.pressure > s.reload_below or stats.kv_blocks_used > s.reload_fit * pool:
             return
