@@ -31,6 +31,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._queue = queue
         self._table = table
         self._limits = Limits(cfg.default_max_tokens, cfg.max_tokens_limit, cfg.max_context_tokens)
+        self._encode = fast_encoder(tokenizer)
 
     async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
         return pb.GetModelInfoResponse(
@@ -43,7 +44,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         received_s = time.perf_counter()
         self._table.check_open()
         valid = validate(request, self._limits)
-        prompt_ids = self._tokenizer.encode(valid.prompt)
+        prompt_ids = self._encode(valid.prompt)
         check_length(len(prompt_ids), valid.params.max_tokens, self._limits)
         request_id = uuid.uuid4().hex
         remaining_s = context.time_remaining()
@@ -80,6 +81,20 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 self._queue.cancel_soon(request_id, "cancelled")
             self._table.release(entry)
             m.REQUESTS_WAITING.set(self._table.queued)
+
+
+def fast_encoder(tokenizer):
+    """``tokenizer.encode`` without the transformers wrapper (2-3x faster: it is on every
+    request's time to first token), used only if it gives the same ids on a probe text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer.encode
+    probe = "def f(x):\n    return x  # héllo, 世界 \u2014 ok"
+
+    def encode(text: str) -> list[int]:
+        return backend.encode(text, add_special_tokens=True).ids
+
+    return encode if encode(probe) == tokenizer.encode(probe) else tokenizer.encode
 
 
 class _Completion:

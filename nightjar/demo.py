@@ -7,23 +7,13 @@ the completion is printed token by token as it arrives, then its timings.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
-from nightjar import paths
 from nightjar.serve import add_stack_args, stack_config
 from nightjar.stack import Stack
 
 DEFAULT_PROMPT = "def fibonacci(n):\n    "
-
-
-def first_heldout_prompt() -> str:
-    try:
-        with open(paths.HELDOUT_PROMPTS) as f:
-            return json.loads(f.readline())["text"]
-    except (OSError, ValueError, KeyError):
-        return DEFAULT_PROMPT
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,12 +35,12 @@ def add_stack_args(p: argparse.ArgumentParser, *, port: int) -> None:
 
 
 def stack_config(a: argparse.Namespace, p: argparse.ArgumentParser, **overrides) -> StackConfig:
+    fields = dict(port=a.port, host=a.host, workers=a.workers, redis_url=a.redis_url, key_prefix=a.key_prefix,
+                  policy=a.policy, planner=not a.no_planner, target_path=a.target,
+                  draft_path=None if a.no_draft else a.draft, worker_threads=a.worker_threads,
+                  log_dir=a.log_dir, log_level=a.log_level)
     try:
-        return StackConfig(
-            port=a.port, host=a.host, workers=a.workers, redis_url=a.redis_url, key_prefix=a.key_prefix,
-            policy=a.policy, planner=not a.no_planner, target_path=a.target,
-            draft_path=None if a.no_draft else a.draft, worker_threads=a.worker_threads,
-            log_dir=a.log_dir, log_level=a.log_level, **overrides)
+        return StackConfig(**{**fields, **overrides})
     except ValueError as exc:
         p.error(str(exc))
 
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         print("nightjar: stopping", file=sys.stderr)
         stack.stop()
+        print("nightjar: stopped", file=sys.stderr)
     return 0
 
 

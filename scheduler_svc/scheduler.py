@@ -117,7 +117,7 @@ class Scheduler:
                 self._backlog[entry_id] = job
                 continue
             self._backlog.pop(entry_id, None)
-            self._assign(pipe, job, worker, now)
+            self._assign(pipe, job, worker, now, raw)
             self._ack(pipe, entry_id)
         if len(pipe):
             await pipe.execute()
@@ -129,10 +129,11 @@ class Scheduler:
         # Re-read the parked entries (JUSTID would not return fields; we kept the jobs).
         await self.handle([(i, {b"job": self._backlog[i].encode()}) for i in ids], deliveries=1)
 
-    def _assign(self, pipe, job: Job, worker: str, now: int) -> None:
+    def _assign(self, pipe, job: Job, worker: str, now: int, raw: bytes | None = None) -> None:
         k = self.keys
-        pipe.xadd(k.inbox(worker), {b"job": job.encode()})
-        pipe.hset(k.assignment(job.request_id), mapping={b"worker": worker, b"job": job.encode(), b"assigned_unix_ms": now})
+        raw = raw or job.encode()  # forward the queue entry's bytes as they are: no re-encoding on the hot path
+        pipe.xadd(k.inbox(worker), {b"job": raw})
+        pipe.hset(k.assignment(job.request_id), mapping={b"worker": worker, b"job": raw, b"assigned_unix_ms": now})
         pipe.pexpire(k.assignment(job.request_id), int(self.cfg.assignment_ttl_s * 1000))
         pipe.sadd(k.worker_assignments(worker), job.request_id)
         self.capacity.assigned(worker, now)

@@ -258,6 +258,11 @@ def plot(path: Path, elastic: Driver, resident: Driver, share: float) -> None:
         ids = sorted(d.first, key=lambda r: d.arrival[r])
         axes[2].plot([d.arrival[r] for r in ids], [d.first[r] - d.arrival[r] for r in ids], style, marker=".",
                      label=f"{d.name}: TTFT")
+    ax_g = axes[0].twinx()  # γ in force on the elastic engine (speculation at low batch only)
+    ax_g.step([r[0] for r in elastic.timeline], [r[5] for r in elastic.timeline], where="post", color="purple",
+              alpha=0.4, lw=0.8)
+    ax_g.set_ylabel("elastic γ", color="purple")
+    ax_g.set_ylim(0, 8)
     # residency of the elastic engine as shading
     t = [r[0] for r in elastic.timeline]
     away = [r[4] != "resident" for r in elastic.timeline]

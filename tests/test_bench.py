@@ -319,3 +319,24 @@ def test_kv_budget_makes_the_draft_the_asked_share():
     assert kv_budget_for_share(0.6) == pytest.approx(draft / 0.6, abs=1)
     with pytest.raises(ValueError, match="draft-share"):
         kv_budget_for_share(0)
+
+
+def test_markdown_runs_rows_match_the_header():
+    recs = [_rec(0, 0.0, 0.5, 2.5, 21)]
+    run = {**report.summarize(LoadResult("x", "burst", 0.0, 3.0, recs)), "policy": "nightjar", "loadavg_1m": 3.2}
+    table = report.markdown_runs([run]).splitlines()
+    assert len(table) == 3 and len({line.count("|") for line in table}) == 1
+    assert "| burst | nightjar | 1 | 1/1 |" in table[2] and table[2].endswith("| 3.2 |")
+
+
+def test_plots_copy_only_the_headline_timelines(tmp_path):
+    from nightjar.bench.cli import _plots
+
+    samples = [{"t": 0.5 * i, "offered_rps": 1.0, "tokens_per_s": 5.0} for i in range(4)]
+    runs = [_run(p, "burst", 100, 1.0, 0.2) for p in ("fixed:3", "nightjar", "ucb")]
+    payload = {"calibration": {"capacity_rps": 2.0}, "runs": runs,
+               "samples": {"fixed:3|burst": samples, "nightjar|burst": samples, "ucb|burst": samples, "nightjar|burst|r1": samples}}
+    _plots(payload, tmp_path / "out", tmp_path / "docs")
+    assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == \
+        ["comparison.png", "timeline_fixed_3_burst.png", "timeline_nightjar_burst.png"]
+    assert len(list((tmp_path / "out" / "plots").iterdir())) == 4  # every first-repeat timeline + the bars

@@ -101,7 +101,7 @@ async def test_sigkill_scheduler_then_planner_and_restart_them(stack, reference)
     check_complete(results, reference)
     # The restarted planner publishes above the version it found.
     await wait_for(lambda: min(policy_versions(stack)) > version, 60, "the new planner's policy")
-    assert await wait_idle(stack, baseline) == baseline
+    assert await wait_idle(stack, baseline) == baseline, heartbeats(stack)
     assert not dead_services(stack)
 
 

@@ -158,12 +158,17 @@ def test_measured_table_loads_and_interpolates(tmp_path):
     path.write_text(json.dumps({
         "machine": "test", "batch_sizes": [1, 4, 16], "gammas": [0, 1, 2],
         "step_ms": [[5, 6, 7], [6, 8, 10], [10, 16, 22]], "acceptance_per_position": [0.8, 0.6],
-        "catchup_ms_fixed": 2.0, "catchup_ms_per_token": 0.05}))
+        "acceptance_kind": "unconditional", "catchup_ms_fixed": 2.0, "catchup_ms_per_token": 0.05,
+        "tokens_per_s": [[1]], "crossover_batch_size": 16}))  # extra keys (the engine's) are ignored
     surface = load_table(path, max_batch=64)
     assert surface.step_ms(1, 2) == pytest.approx(7) and surface.step_ms(10, 0) == pytest.approx(8)
     assert surface.step_ms(32, 0) > surface.step_ms(16, 0)  # extrapolated with the last slope
     assert surface.acceptance == pytest.approx((0.8, 0.75))  # P(L>i) turned into P(accept i | i-1)
     assert surface.catchup_ms_fixed == 2.0
+    raw = json.loads(path.read_text())
+    del raw["acceptance_kind"]  # default: conditional, as scripts/bench_speculation.py writes it
+    path.write_text(json.dumps(raw))
+    assert load_table(path, max_batch=64).acceptance == pytest.approx((0.8, 0.6))
     path.write_text(json.dumps({"batch_sizes": [1], "gammas": [0, 2], "step_ms": [[1, 2]]}))
     with pytest.raises(ValueError, match="gammas must be 0..G"):
         load_table(path)

@@ -119,13 +119,14 @@ class LlamaModel:
         sin = self.sin[pb.positions].unsqueeze(1)
         eps = c.rms_norm_eps
         x = w["embed"][input_ids]  # [N, D]
+        k_layers, v_layers = kv.k.unbind(0), kv.v.unbind(0)  # one op each instead of one per layer
         for li, lw in enumerate(w["layers"]):
             hn = F.rms_norm(x, (x.shape[-1],), lw["ln1"], eps)
             qkv = self._lin(hn, lw["qkv"], lw["qkv_bias"])  # [N, (H + 2K) * d]
             qk = qkv[:, : (h_ + k_) * d].view(n, h_ + k_, d)
-            qk = qk * cos + torch.roll(qk, self._half, -1) * sin  # RoPE on q and k at once
+            qk = torch.addcmul(qk * cos, torch.roll(qk, self._half, -1), sin)  # RoPE on q and k at once
             vv = qkv[:, (h_ + k_) * d:].view(n, k_, d)
-            kc, vc = kv.k[li], kv.v[li]  # [num_blocks, block_size, K, d]
+            kc, vc = k_layers[li], v_layers[li]  # [num_blocks, block_size, K, d]
             kc.view(-1, k_, d).index_copy_(0, pb.slots, qk[:, h_:])
             vc.view(-1, k_, d).index_copy_(0, pb.slots, vv)
             qq = qk[:, :h_]  # [N, H, d]
@@ -133,18 +134,20 @@ class LlamaModel:
                 o = self._attend(pb.groups[0], qq, kc, vc)
             else:
                 o = torch.cat([self._attend(g, qq[g.start:g.end], kc, vc) for g in pb.groups])
-            x = x + self._lin(o, lw["o"])
+            x = self._lin(o, lw["o"], x)  # x + o @ Wo in one op
             hn = F.rms_norm(x, (x.shape[-1],), lw["ln2"], eps)
             gu = self._lin(hn, lw["gate_up"])  # [N, 2I]
             g, u = gu.chunk(2, -1)
-            x = x + self._lin(F.silu(g) * u, lw["down"])
+            x = self._lin(F.silu(g) * u, lw["down"], x)
         x = F.rms_norm(x.index_select(0, logit_rows), (x.shape[-1],), w["norm"], eps)
         return self._lin(x, w["head"]).float()  # [R, V]
 
-    def _lin(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    def _lin(self, x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W (+ add: a bias [out] or a residual [N, out], fused into the matmul on CPU)."""
         if not self.t_layout:
-            return F.linear(x, w, b)
-        return x @ w if b is None else torch.addmm(b, x, w)
+            out = F.linear(x, w)
+            return out if add is None else out + add
+        return x @ w if add is None else torch.addmm(add, x, w)
 
     def _attend(self, g: AttnGroup, qq: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
         """qq: [n, H, d] queries of group g; kc, vc: [num_blocks, block_size, K, d] -> [n, H * d]."""

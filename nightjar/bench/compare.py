@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import struct
 import time
 from dataclasses import dataclass, field, replace
@@ -344,7 +345,8 @@ async def _one_policy(cmp: Comparison, cfg: CompareConfig, policy: str, rep: int
             log(f"policy {policy} (repeat {rep + 1}/{cfg.repeats}): workload {plan.spec} ({len(wl)} requests over {plan.duration_s:.0f} s)")
             result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | {plan.spec}")
             run = report.summarize(result, steps)
-            run.update(policy=policy, kind=plan.kind, repeat=rep)
+            # The machine is shared: its load average says how noisy this run's figures are.
+            run.update(policy=policy, kind=plan.kind, repeat=rep, loadavg_1m=os.getloadavg()[0])
             cmp.runs.append(run)
             cmp.samples[f"{policy}|{plan.spec}" + (f"|r{rep}" if rep else "")] = result.samples
             report.write_json(cfg.out_dir / "results.json", cmp.payload())

@@ -16,14 +16,15 @@ at bin ends, so γ changes at most twice per bin (probe and return). At a bin en
 exploits argmin L, switching only if the gain beats ``switch_margin`` plus the expected draft
 catch-up C amortised over the bin's tokens. With probability ε_j = max(ε_min, ε_0/(1+j)) it is
 instead a short probe bin (bin_base steps) of the cheapest uncertain arm predicted within
-``probe_margin`` of the greedy one (else a neighbour γ±1), scaled down by budget/extra when the
-probe's predicted extra time (its excess loss plus C when it turns the draft on) exceeds
-``probe_budget`` of the next bin's time. C = measured ms per catch-up token × batch × lag, the
-lag being the γ=0 steps in a row (capped by the context) each worker reports. So at low load γ>0
-keeps being probed and estimates keep refreshing (no deadlock at γ=0), while at high load a
-probe after a long γ=0 run, whose catch-up would be large, is rare. A bucket's first step
-triggers a model-based choice; a bin whose observed loss misses its prediction by more than
-``change_tolerance`` restarts the bucket's schedule at block 0.
+``probe_margin`` of the greedy one (else a neighbour γ±1). A probe whose predicted extra time
+(its excess loss, plus C when it turns the draft on) exceeds ``probe_budget`` of the next bin's
+time has its probability scaled by (budget/extra)², because at high load its stall also delays
+every queued request. C = measured ms per catch-up token × batch × lag, summed over workers,
+the lag being the γ=0 steps in a row each worker reports (its whole context after a long run).
+So at low load γ>0 keeps being probed and estimates keep refreshing (no deadlock at γ=0), while
+at high load a probe after a long γ=0 run is rare. Never-visited buckets start at the model's
+choice, capped by the next smaller bucket's γ; a bin whose observed loss misses its prediction
+by more than ``change_tolerance`` restarts the bucket's schedule at block 0.
 """
 
 from __future__ import annotations
@@ -123,8 +124,8 @@ class _Timeline:
 
     def support(self) -> tuple[np.ndarray, np.ndarray]:
         total = self.hist.sum()
-        if total <= 0:
-            return np.array([float(self.hi)]), np.array([1.0])
+        if total <= 0:  # not seen yet: the middle of the bucket (the open last one: up to 2×lo)
+            return np.array([float((self.lo + min(self.hi, 2 * self.lo)) // 2)]), np.array([1.0])
         keep = np.flatnonzero(self.hist >= 0.02 * self.hist.max())
         return (keep + self.lo).astype(float), self.hist[keep] / self.hist[keep].sum()
 
@@ -247,20 +248,28 @@ class NightjarPolicy(GammaPolicy):
         if tl.arm != old:
             self.switches += 1
         if self.bins_ended % 8 == 0:
-            for i, other in enumerate(self.timelines):
-                if other.steps == 0:  # never visited: start it at the model's choice, not the prior
-                    other.arm = other.exploit_arm = int(np.argmin(self.losses(i)))
+            self._seed_unvisited()
         self.bins_ended += 1
 
-    def _catchup_ms(self, batch: float) -> float:
-        """Expected draft catch-up if speculation turned on now: per-token cost × live lag.
+    def _seed_unvisited(self) -> None:
+        """Start never-visited buckets at the model's choice instead of the prior, capped by the
+        next smaller bucket's γ (the best γ does not grow with batch size), so a first visit
+        at high load does not turn speculation on, and pay a catch-up, on extrapolation alone."""
+        cap = self.gamma_max
+        for i, other in enumerate(self.timelines):
+            if other.steps == 0:
+                other.arm = other.exploit_arm = min(int(np.argmin(self.losses(i))), cap)
+            cap = other.arm
 
-        Each sequence lags by the steps run at γ=0 (one token each), at most its context.
-        Optimistic (0) until a catch-up has been measured.
+    def _catchup_ms(self, batch: float) -> float:
+        """Expected draft catch-up if speculation turned on now, summed over the workers.
+
+        A sequence decoded at γ=0 for r steps lags r tokens, and one that joined during the run
+        lags its whole context (the draft never saw its prompt); past a short run (16 steps) the
+        whole context is the estimate, so probing after a long γ=0 run at high load is priced
+        at its real cost. Every worker pays its own catch-up. Optimistic (0) until measured.
         """
-        if not self.workers_lag:
-            return 0.0
-        lag = sum(min(run, ctx) for run, ctx, _ in self.workers_lag.values()) / len(self.workers_lag)
+        lag = sum(min(run, ctx) if run < 16 else ctx for run, ctx, _ in self.workers_lag.values())
         return self.cost.catchup_ms_per_token() * batch * lag
 
     def _exploit_choice(self, tl: _Timeline, loss: np.ndarray) -> int:
@@ -302,8 +311,8 @@ class NightjarPolicy(GammaPolicy):
         if base == 0 and arm > 0:
             extra += self._catchup_ms(batch)
         budget = s.probe_budget * min(s.bin_max, s.bin_base << min(tl.block, 20)) * batch * expected[base] * loss[base]
-        if extra > budget:
-            eps *= budget / extra
+        if extra > budget:  # quadratic: a dear probe's stall also delays everyone queued behind it
+            eps *= (budget / extra) ** 2
         return arm if self.rng.random() < eps else None
 
     # --- persistence ---------------------------------------------------------------------------

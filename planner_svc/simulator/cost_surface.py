@@ -14,8 +14,8 @@ Measured table (JSON, written by the engine benchmark)::
     {"machine": str, "batch_sizes": [..], "gammas": [0..γmax],
      "step_ms": [[ms per γ] per batch size],          # draft + verify of one decode step
      "draft_ms": [[..]] (optional, same shape),        # else draft = γ·draft_ratio·step(B, 0)
-     "acceptance_per_position": [..],                  # P(a sequence accepts position i), i.e.
-                                                       # accepted_per_position[i] / batch_size
+     "acceptance_per_position": [..],                  # P(accept position i | accepted 0..i-1)
+     "acceptance_kind": "conditional" (default) or "unconditional" (P(accept 0..i)),
      "catchup_ms_fixed": float, "catchup_ms_per_token": float,
      "prefill_ms_per_token": float (optional)}         # else the γ=0 slope at the largest batch
 
@@ -91,6 +91,12 @@ def conditional_acceptance(unconditional: list[float]) -> tuple[float, ...]:
     return tuple(out)
 
 
+def _acceptance(values: list[float], kind: str) -> tuple[float, ...]:
+    if kind == "unconditional":
+        return conditional_acceptance(values)
+    return tuple(min(max(float(a), 0.01), 0.99) for a in values)
+
+
 def _rows(batch_sizes: np.ndarray, table: np.ndarray, max_batch: int) -> np.ndarray:
     """Interpolate rows [n, G+1] at every batch 0..max_batch (linear, last-slope extrapolation)."""
     b = np.arange(max_batch + 1, dtype=float)
@@ -130,9 +136,12 @@ def load_table(path: str | Path, max_batch: int = 256, draft_ratio: float = 1 / 
     else:
         prefill = step[0, 0] / 16
     acceptance = raw.get("acceptance_per_position")
+    kind = raw.get("acceptance_kind", "conditional")
+    if kind not in ("conditional", "unconditional"):
+        raise ValueError(f"cost surface {path}: acceptance_kind must be 'conditional' or 'unconditional'")
     return CostSurface(
         name=str(raw.get("machine", Path(path).stem)), draft_ms=draft_all, verify_ms=step_all - draft_all,
         prefill_ms_per_token=prefill,
         catchup_ms_fixed=float(raw.get("catchup_ms_fixed", 1.0)),
         catchup_ms_per_token=float(raw.get("catchup_ms_per_token", prefill * draft_ratio)),
-        acceptance=conditional_acceptance(acceptance) if acceptance else None)
+        acceptance=_acceptance(acceptance, kind) if acceptance else None)
