@@ -56,7 +56,7 @@ def measure_batch(eng: Engine, b: int, gammas: list[int], steps: int, rounds: in
             for k in range(steps + 1):
                 eng.step()
                 st = eng.last_stats
-                assert st.batch_size == b and st.gamma == g, (st.batch_size, st.gamma)
+                assert st.batch_size == b and st.gamma == g, (st, eng.num_running, eng.num_waiting)
                 if st.catchup_tokens:
                     catchups.append((st.catchup_tokens, st.catchup_ms))
                 if k == 0:
@@ -66,7 +66,7 @@ def measure_batch(eng: Engine, b: int, gammas: list[int], steps: int, rounds: in
                 verified[g] += b
                 for i, a in enumerate(st.accepted_per_position):
                     accepted[g][i] += a
-    for s in list(eng.scheduler.running):
+    for s in [*eng.scheduler.running, *eng.scheduler.waiting]:
         eng.abort(s.request_id)
     eng.step()
     return times, emitted, accepted, verified, catchups
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kv-mib", type=int, default=512, help="KV budget: 64 sequences must grow without preemption")
     ap.add_argument("--out", default=str(ROOT / "planner_svc" / "cost_surfaces" / "cpu_tiny.json"))
     ap.add_argument("--plot", default=str(ROOT / "benchmarks" / "speculation_tokens_per_s.png"))
     args = ap.parse_args(argv)
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(x) for x in args.batches.split(",")]
     gammas = list(range(args.gamma_max + 1))
     eng = Engine(EngineConfig(target_path=args.target, draft_path=args.draft, num_threads=args.threads,
-                              max_running=max(batches), gamma_max=args.gamma_max,
+                              max_running=max(batches), gamma_max=args.gamma_max, kv_budget_bytes=args.kv_mib << 20,
                               max_batched_tokens=max(512, max(batches) * (args.gamma_max + 1))))
     measure_batch(eng, 2, [0, 2], 2, 1, args.prompt_tokens, args.temperature)  # warm-up
     step_ms, tps, all_catchups = [], [], []

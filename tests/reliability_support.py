@@ -86,6 +86,11 @@ def kv_free(stack: Stack) -> int:
     return sum(h.kv_blocks_free for h in heartbeats(stack).values())
 
 
+# Nothing in flight: every KV block free, nothing running, queued, unacknowledged or assigned.
+# (An absolute target: a snapshot taken right after traffic may still show the last request.)
+IDLE = {"kv_used": 0, "running": 0, "queued": 0, "inboxes": 0, "assigned": 0, "assignment_keys": 0}
+
+
 def idle_state(stack: Stack) -> dict:
     """What must be back to its resting value once no request is in flight."""
     r, k = client(stack), keys(stack)
@@ -93,7 +98,7 @@ def idle_state(stack: Stack) -> dict:
         beats = heartbeats(stack)
         inboxes = sum(r.xlen(k.inbox(w)) for w in beats)
         assigned = sum(r.scard(k.worker_assignments(w)) for w in beats)
-        return {"kv_free": sum(h.kv_blocks_free for h in beats.values()),
+        return {"kv_used": sum(h.kv_blocks_total - h.kv_blocks_free for h in beats.values()),
                 "running": sum(h.running + h.waiting for h in beats.values()),
                 "queued": r.xlen(k.requests), "inboxes": inboxes, "assigned": assigned,
                 "assignment_keys": len(list(r.scan_iter(match=f"{k.prefix}:assign:*", count=1000)))}

@@ -18,7 +18,7 @@ from nightjar_client import AsyncClient, Client, NO_RETRY, RetryPolicy
 from nightjar_client import errors as sdk
 from nightjar.v1 import inference_pb2 as pb
 from pipeline_support import assert_same_greedy
-from reliability_support import (TOKEN, dead_services, hardened_stack, idle_state, metadata,
+from reliability_support import (IDLE, TOKEN, dead_services, hardened_stack, metadata,
                                  per_request_keys_without_ttl, wait_idle)
 
 GENERATE = "/nightjar.v1.InferenceService/Generate"
@@ -235,7 +235,7 @@ def test_garbage_bytes_on_the_port(stack, raw_generate, payload):
 async def test_bad_requests_beside_good_ones_leave_nothing_allocated(stack):
     """The whole raw catalogue, fired concurrently with good greedy streams: the good streams
     produce exactly what they produce alone, and afterwards every counter is back at rest."""
-    baseline = idle_state(stack)
+    baseline = IDLE
     prompts = [f"Once upon a time there was a {w}" for w in ("cat", "dog", "king", "ship", "tree", "bird")]
     async with AsyncClient(stack.address, token=TOKEN, retry=RetryPolicy(max_attempts=3)) as client:
         alone = [await client.generate(p, max_tokens=12, ignore_eos=True) for p in prompts[:2]]

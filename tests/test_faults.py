@@ -21,7 +21,7 @@ from nightjar.v1 import inference_pb2_grpc as pb_grpc
 from nightjar_client import NO_RETRY, AsyncClient, RetryPolicy
 from nightjar_client import errors as sdk
 from pipeline_support import assert_same_greedy
-from reliability_support import (client, dead_services, heartbeats, idle_state, keys, keys_without_ttl,
+from reliability_support import (IDLE, client, dead_services, heartbeats, keys, keys_without_ttl,
                                  per_request_keys_without_ttl, respawn, start_stack, wait_idle)
 
 PROMPTS = ["The old lighthouse keeper", "In the beginning of the", "My favourite recipe is"]
@@ -72,7 +72,7 @@ def check_complete(results, reference) -> None:
 @pytest.mark.slow
 async def test_sigkill_scheduler_then_planner_and_restart_them(stack, reference):
     await ready(stack)
-    baseline = idle_state(stack)
+    baseline = IDLE
     await wait_for(lambda: min(policy_versions(stack)) >= 0, 30, "a policy in force on both workers")
     async with AsyncClient(stack.address, retry=NO_RETRY) as c:
         async def one(prompt):
@@ -108,7 +108,7 @@ async def test_sigkill_scheduler_then_planner_and_restart_them(stack, reference)
 @pytest.mark.slow
 async def test_gateway_restart_the_sdk_retry_gets_through(stack, reference):
     await ready(stack)
-    baseline = idle_state(stack)
+    baseline = IDLE
     async with AsyncClient(stack.address, retry=PATIENT) as c:
         # SIGTERM drains: the stream running at that moment still completes.
         running = asyncio.create_task(c.generate(PROMPTS[0], max_tokens=N_TOKENS, ignore_eos=True))
@@ -186,7 +186,7 @@ async def test_redis_restart_unavailable_quickly_then_serves_again(stack, refere
 @pytest.mark.slow
 async def test_a_thousand_cancelled_requests_leave_nothing_behind(stack):
     await ready(stack)
-    baseline = idle_state(stack)
+    baseline = IDLE
     durable_before = keys_without_ttl(stack)
     channel = grpc.aio.insecure_channel(stack.address)
     stub = pb_grpc.InferenceServiceStub(channel)

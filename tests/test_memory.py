@@ -259,3 +259,37 @@ def test_memory_budget_sizes_the_pools_and_is_never_exceeded(tight):
     gained = eng.kv_blocks_total - base
     # the freed bytes (draft weights + draft pool) become target blocks, to the block
     assert gained == (p.free + p.draft_weights + p.draft_kv) // eng.memory.target_bpb
+
+
+def test_engine_thread_applies_the_residency_directive_and_reports_memory(tight):
+    """The worker service's path: SetResidency on the engine thread -> the engine's manager; the
+    snapshot (what heartbeats carry) shows the residency, the grown pool and the parts."""
+    import threading
+    import time
+
+    from worker.engine_thread import EngineThread, SetResidency
+
+    got, seen = [], threading.Event()
+
+    def deliver(result):
+        got.append(result.snapshot)
+        if result.snapshot.draft_residency == "offloaded":
+            seen.set()
+
+    th = EngineThread(lambda: tight, deliver)
+    th.start()
+    try:
+        assert th.ready.wait(30) and th.error is None
+        th.submit(SetResidency("offloaded"))
+        assert seen.wait(10), f"no offloaded snapshot: {got[-1:]}"
+        snap = next(s for s in got if s.draft_residency == "offloaded")
+        mem = dict(snap.memory_bytes)
+        assert snap.kv_blocks_total > tight.memory.base_blocks and mem["draft_weights"] == 0 == mem["draft_kv"]
+        assert mem["target_kv"] == snap.kv_blocks_total * tight.memory.target_bpb <= mem["budget"]
+        th.submit(SetResidency("resident"))
+        deadline = time.monotonic() + 10
+        while got[-1].draft_residency != "resident" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert got[-1].draft_residency == "resident" and got[-1].kv_blocks_total == tight.memory.base_blocks
+    finally:
+        th.stop()

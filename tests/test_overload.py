@@ -11,7 +11,7 @@ import reliability_support  # noqa: F401 - puts scripts/ on sys.path (via engine
 from engine_support import pair
 from nightjar.redis_server import free_port
 from nightjar_client import AsyncClient
-from reliability_support import dead_services, idle_state, wait_idle
+from reliability_support import IDLE, dead_services, wait_idle
 
 from overload import offer, overload_stack  # scripts/overload.py
 
@@ -35,7 +35,7 @@ def stack_and_port():
 @pytest.mark.slow
 async def test_overload_refuses_the_excess_and_completes_every_admitted_request(stack_and_port):
     stack, metrics_port = stack_and_port
-    baseline = idle_state(stack)
+    baseline = IDLE
     rep = await offer(stack, OFFERED_RPS, SECONDS, MAX_TOKENS, metrics_port, MAX_QUEUED)
     print(rep)
     # Far above capacity: most of the offer is refused, and some work is still done.

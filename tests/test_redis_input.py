@@ -14,7 +14,7 @@ import pytest
 
 from nightjar.messages import MAX_MESSAGE_BYTES, DeadLetter, Job, OutputChunk, Policy
 from nightjar_client import AsyncClient
-from reliability_support import TOKEN, client, dead_services, hardened_stack, heartbeats, idle_state, keys, wait_idle
+from reliability_support import IDLE, TOKEN, client, dead_services, hardened_stack, heartbeats, keys, wait_idle
 
 ARRAY32_HEADER = b"\xdd\xff\xff\xff\xff"  # msgpack: "an array of 4 billion items follows" (and nothing does)
 
@@ -88,7 +88,7 @@ async def serves(stack) -> None:
 
 
 async def test_undecodable_queue_entries_are_dead_lettered(stack):
-    baseline = idle_state(stack)
+    baseline = IDLE
     r, k = client(stack), keys(stack)
     before = len(dead_letters(stack))
     ids = {name: r.xadd(k.requests, fields).decode() for name, fields in UNDECODABLE}
@@ -108,7 +108,7 @@ async def test_undecodable_queue_entries_are_dead_lettered(stack):
 
 
 async def test_poison_jobs_end_with_an_error_chunk_and_the_worker_survives(stack):
-    baseline = idle_state(stack)
+    baseline = IDLE
     r, k = client(stack), keys(stack)
     rids = {name: f"poison-{name}-{uuid.uuid4().hex[:6]}" for name, _, _ in POISON}
     for name, make, _ in POISON:
@@ -134,7 +134,7 @@ async def test_poison_jobs_end_with_an_error_chunk_and_the_worker_survives(stack
 
 
 async def test_garbage_in_a_worker_inbox_is_dead_lettered(stack):
-    baseline = idle_state(stack)
+    baseline = IDLE
     (worker,) = heartbeats(stack)
     r, k = client(stack), keys(stack)
     before = len(dead_letters(stack))

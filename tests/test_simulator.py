@@ -80,7 +80,7 @@ def test_gamma_switches_are_bounded():
     decisions_per_1000 = 1000 * (nightjar.switches - warm) / result2.steps
     # Bins are >= 8 steps and a bin end changes γ at most twice (probe, return): <= 250 per 1000
     # in the worst case; after warm-up the bins are long and it must be far below that.
-    assert decisions_per_1000 <= 30, decisions_per_1000
+    assert decisions_per_1000 <= 10, decisions_per_1000  # measured ≈ 2–3
     # Engine-level changes also come from the batch crossing buckets that want different γ, which
     # any per-batch-size table does (the oracle too); nightjar adds little on top, and far fewer
     # than the per-step heuristic.

@@ -264,10 +264,7 @@ class MemoryManager:
             return False
         self._set_state(OFFLOADING)
         dblocks = self.spec.runner.blocks
-        sched = self.engine.scheduler
-        for s in [*sched.running, *sched.waiting]:  # dropped wholesale; catch-up rebuilds it after reload
-            dblocks.free(s.draft_table)
-            s.draft_computed = 0
+        self.engine.drop_draft_kv()  # dropped wholesale; the catch-up rebuilds it after the reload
         assert dblocks.num_used == 0, "a draft block is held by a sequence the scheduler does not know"
         self.spec.runner.kv.resize(0)  # the draft pool tensor is freed now
         dblocks.apply_shrink(0, {}, [])

@@ -147,8 +147,8 @@ class NightjarPolicy(GammaPolicy):
         lows = (1,) + tuple(b + 1 for b in self.buckets[:-1])
         highs = self.buckets[:-1] + (max(top, self.buckets[-1]),)
         self.timelines = [_Timeline(lo, hi, arm0, gamma_max + 1) for lo, hi in zip(lows, highs)]
-        # worker -> (γ=0 steps in a row, tokens per sequence, bucket of its last step)
-        self.workers_lag: dict[str, tuple[int, float, int]] = {}
+        # worker -> (γ=0 steps in a row, tokens per sequence, bucket of its last step, update no.)
+        self.workers_lag: dict[str, tuple[int, float, int, int]] = {}
         self.updates = 0
         self.bins_ended = 0
         self.switches = 0  # table changes (bin decisions that changed a bucket's γ)
@@ -198,9 +198,9 @@ class NightjarPolicy(GammaPolicy):
             self.cost.observe_catchup(stats.catchup_tokens, stats.catchup_ms)
         bucket = bucket_index(self.buckets, b)
         tl = self.timelines[bucket]
-        run, _, zero_bucket = self.workers_lag.get(stats.worker_id, (0, 0.0, bucket))
+        run, _, zero_bucket, _ = self.workers_lag.get(stats.worker_id, (0, 0.0, bucket, 0))
         tokens_per_seq = stats.kv_blocks_used * self.settings.residency.block_tokens / b
-        self.workers_lag[stats.worker_id] = (run + 1, tokens_per_seq, bucket) if g == 0 else (0, tokens_per_seq, bucket)
+        self.workers_lag[stats.worker_id] = (run + 1 if g == 0 else 0, tokens_per_seq, bucket, self.updates)
         # Who pays a catch-up: after steady speculation it is the draft prefilling new prompts, a
         # running cost of this arm; after a γ=0 run in another bucket it is that bucket's γ=0
         # leaving the draft behind (so tables that flip across a boundary look as dear as they
@@ -269,7 +269,8 @@ class NightjarPolicy(GammaPolicy):
         whole context is the estimate, so probing after a long γ=0 run at high load is priced
         at its real cost. Every worker pays its own catch-up. Optimistic (0) until measured.
         """
-        lag = sum(min(run, ctx) if run < 16 else ctx for run, ctx, _ in self.workers_lag.values())
+        recent = self.updates - 5000  # a worker silent this long is gone (or idle: no lag)
+        lag = sum(min(run, ctx) if run < 16 else ctx for run, ctx, _, seen in self.workers_lag.values() if seen > recent)
         return self.cost.catchup_ms_per_token() * batch * lag
 
     def _exploit_choice(self, tl: _Timeline, loss: np.ndarray) -> int:
