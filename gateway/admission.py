@@ -73,11 +73,13 @@ class AdmissionTable:
             entry.first_token_s = time.perf_counter()
             self._queued -= 1
 
-    def release(self, entry: InFlight) -> None:
+    def release(self, entry: InFlight) -> bool:
+        """Free the entry's slot; False if it was already released."""
         if self._entries.pop(entry.request_id, None) is None:
-            return
+            return False
         if entry.first_token_s is None:
             self._queued -= 1
         self._streams.release()
         if not self._entries:
             self.idle.set()
+        return True

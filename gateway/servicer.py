@@ -49,8 +49,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         request_id = uuid.uuid4().hex
         remaining_s = context.time_remaining()
         entry = await self._table.admit(request_id)
+        # The generator's finally does not run when gRPC drops a cancelled stream that is
+        # suspended at a yield, so the RPC's done-callback closes it too (whichever is first).
+        context.add_done_callback(lambda _ctx: self._close(entry))
         m.REQUESTS_WAITING.set(self._table.queued)
-        finished = False
         try:
             await self._queue.enqueue(Job(
                 request_id=request_id, prompt_token_ids=tuple(prompt_ids), params=dataclasses.asdict(valid.params),
@@ -72,15 +74,20 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                             break
             except TimeoutError:
                 raise DeadlineExceeded(f"deadline of {remaining_s:.3f}s passed after {stream.sent} tokens") from None
-            finished = stream.final_seen
+            entry.finished = stream.final_seen
             yield stream.last_response()
         finally:
-            if finished:
-                self._queue.forget_soon(request_id)
-            else:  # client gone, deadline, stop string seen first, or an error: free the worker's blocks
-                self._queue.cancel_soon(request_id, "cancelled")
-            self._table.release(entry)
-            m.REQUESTS_WAITING.set(self._table.queued)
+            self._close(entry)
+
+    def _close(self, entry) -> None:
+        """Release the request's admission slot once; cancel it at the worker unless it finished."""
+        if not self._table.release(entry):
+            return
+        if entry.finished:
+            self._queue.forget_soon(entry.request_id)
+        else:  # client gone, deadline, stop string seen first, or an error: free the worker's blocks
+            self._queue.cancel_soon(entry.request_id, "cancelled")
+        m.REQUESTS_WAITING.set(self._table.queued)
 
 
 def fast_encoder(tokenizer):

@@ -62,6 +62,11 @@ async def wait_for(predicate, timeout_s: float, what: str):
     return value
 
 
+async def drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
 def check_complete(results, reference) -> None:
     for prompt, done in results:
         assert done.finish_reason == "length", done
@@ -131,13 +136,13 @@ async def test_gateway_restart_the_sdk_retry_gets_through(stack, reference):
 
         # SIGKILL: no drain. The stream in progress fails UNAVAILABLE (tokens were already
         # delivered, so the SDK does not retry it); the worker finishes it for nobody.
-        running = asyncio.create_task(c.generate(PROMPTS[2], max_tokens=80, ignore_eos=True))
-        await asyncio.sleep(1.0)
+        stream = c.stream(PROMPTS[2], max_tokens=900, ignore_eos=True)
+        await anext(stream)  # tokens are flowing
         gw = stack.service("gateway")
         gw.proc.send_signal(signal.SIGKILL)
         gw.proc.wait()
         with pytest.raises(sdk.Unavailable):
-            await asyncio.wait_for(running, 30)
+            await asyncio.wait_for(drain(stream), 30)
         respawn(stack, gw)
         done = await c.generate(PROMPTS[2], max_tokens=N_TOKENS, ignore_eos=True, deadline_s=150)
         check_complete([(PROMPTS[2], done)], reference)
@@ -150,15 +155,15 @@ async def test_redis_restart_unavailable_quickly_then_serves_again(stack, refere
     """A non-persistent Redis goes away and comes back empty on the same port."""
     await ready(stack)
     async with AsyncClient(stack.address, retry=NO_RETRY) as c:
-        streaming = asyncio.create_task(c.generate(PROMPTS[0], max_tokens=300, ignore_eos=True))
-        await asyncio.sleep(1.0)
+        stream = c.stream(PROMPTS[0], max_tokens=900, ignore_eos=True)
+        await anext(stream)  # tokens are flowing
         port = stack.redis.port
         stack.redis.stop()
         outage_s = time.monotonic()
         # Requests in flight when Redis went away fail UNAVAILABLE (their queue and output
         # streams are gone with it); none hangs.
         with pytest.raises(sdk.Unavailable):
-            await asyncio.wait_for(streaming, 30)
+            await asyncio.wait_for(drain(stream), 30)
         # New requests are refused UNAVAILABLE quickly during the outage.
         await asyncio.sleep(max(0.0, outage_s + 1.0 - time.monotonic()))
         for _ in range(3):

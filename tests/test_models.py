@@ -98,6 +98,7 @@ def test_replay_blocks_counts_leading_matches() -> None:
     assert (blocks, accepted, reached, acc_at) == (2, 2, [2, 1, 1], [1, 1, 0])
 
 
+@pytest.mark.slow  # ~10 s of CPU on a quiet machine; minutes when the cores are oversubscribed
 def test_draft_agreement_on_a_sample_meets_the_recipe_threshold() -> None:
     report = check_acceptance.measure_acceptance(DEFAULT_TARGET, DEFAULT_DRAFT, HELDOUT_PROMPTS,
                                                  n_prompts=8, new_tokens=32, seed=0)

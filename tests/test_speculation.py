@@ -186,3 +186,12 @@ def test_broken_draft_raises_the_alarm_in_stats():
     assert eng.last_stats.acceptance_alarm and eng.monitor.last_rate < 0.05
     eng.monitor.alarm = False
     eng.monitor.seen_healthy = False
+
+
+def test_table_policy_picks_the_bucket_at_or_below_the_batch_size():
+    from worker.speculative import table_policy
+
+    pol = table_policy({4: 2, 1: 4, 16: 0})
+    assert [pol(b) for b in (1, 2, 4, 15, 16, 64)] == [4, 4, 2, 2, 0, 0]
+    with pytest.raises(ValueError):
+        table_policy({})

@@ -217,7 +217,8 @@ class Engine:
             if rp.all_greedy:
                 n, final = accept_greedy(dl.argmax(-1), drafts)
             else:
-                p = probs_from_logits(dl.reshape(bd * (g + 1), -1), RowParams.of([s.params for s in batch.decode], g + 1).to(dev))
+                rows = RowParams.of([s.params for s in batch.decode], g + 1).to(dev)  # one row per position
+                p = probs_from_logits(dl.reshape(bd * (g + 1), -1), rows)  # [Bd * (γ+1), V]
                 n, final = accept_tokens(p.view(bd, g + 1, -1), prop.q if prop is not None else None, drafts,
                                          u[:, g: 2 * g], u[:, 2 * g])
             n_l, f_l, d_l = n.tolist(), final.tolist(), drafts.tolist()

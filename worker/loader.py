@@ -62,7 +62,8 @@ def load_config(folder: str | Path) -> ModelConfig:
     folder = Path(folder)
     path = folder / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: pass a Hugging Face checkpoint folder (config.json + *.safetensors)")
+        raise FileNotFoundError(f"{path} not found: pass a Hugging Face checkpoint folder "
+                                "(config.json + *.safetensors)")
     c = _read_json(path)
     mtype = c.get("model_type", "")
     if mtype not in SUPPORTED_TYPES:
@@ -94,7 +95,8 @@ def load_config(folder: str | Path) -> ModelConfig:
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_type=rope_type,
-        rope_params=tuple(sorted((k, float(v)) for k, v in rp.items() if k != "rope_theta" and isinstance(v, (int, float)) and not isinstance(v, bool))),
+        rope_params=tuple(sorted((k, float(v)) for k, v in rp.items()
+                                 if k != "rope_theta" and isinstance(v, (int, float)) and not isinstance(v, bool))),
         max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=mtype == "qwen2" or bool(c.get("attention_bias", False)),

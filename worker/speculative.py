@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -62,6 +63,20 @@ def accept_greedy(target_argmax: torch.Tensor, drafts: torch.Tensor) -> tuple[to
     gamma = drafts.shape[1]
     n = (drafts == target_argmax[:, :gamma]).long().cumprod(1).sum(1)  # [B]
     return n, target_argmax.gather(1, n.unsqueeze(1)).squeeze(1)
+
+
+def table_policy(table: dict[int, int]) -> Callable[[int], int]:
+    """A γ policy from a per-batch-size table, e.g. {1: 4, 4: 2, 16: 0}: the entry with the
+    largest batch size <= the current one (the smallest entry covers anything below it).
+    For Engine.set_gamma_policy until the planner's policy arrives."""
+    if not table or any(g < 0 for g in table.values()):
+        raise ValueError("table_policy: give a non-empty {batch_size: gamma >= 0} table")
+    keys = sorted(table)
+
+    def policy(batch_size: int) -> int:
+        return table[max([k for k in keys if k <= batch_size], default=keys[0])]
+
+    return policy
 
 
 class Speculator:
