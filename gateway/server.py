@@ -95,7 +95,7 @@ class Gateway:
 
     async def _watch(self) -> None:
         """Poll Redis: reachability (fast UNAVAILABLE), backlog (queue cap), live workers (health)."""
-        while True:
+        while self.server is not None or not self.table.draining:  # a lost cancel still ends it
             try:
                 async with self._probe.pipeline(transaction=False) as pipe:
                     pipe.xlen(self.keys.requests)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 ENV_PREFIX = "NIGHTJAR_"
+MAX_REDIS_CONNECTIONS = 4096  # per client (process); see connect_redis
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,10 @@ def connect_redis(url: str, *, timeout_s: float = 1.0, block_margin_s: float = 5
         socket_connect_timeout=timeout_s,
         socket_timeout=block_margin_s,
         health_check_interval=10,
-        max_connections=None,
+        # Every streaming request holds a connection in XREAD BLOCK; redis-py 8 turns None into
+        # 100, which failed the 101st concurrent stream with "Too many connections". The gateway's
+        # stream cap (--max-streams, 1024) is what bounds this; Redis allows 10 000 clients.
+        max_connections=MAX_REDIS_CONNECTIONS,
     )
 
 

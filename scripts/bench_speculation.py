@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(x) for x in args.batches.split(",")]
     gammas = list(range(args.gamma_max + 1))
     eng = Engine(EngineConfig(target_path=args.target, draft_path=args.draft, num_threads=args.threads,
-                              max_running=max(batches), gamma_max=args.gamma_max, kv_budget_bytes=args.kv_mib << 20,
+                              max_running=max(batches + [2]), gamma_max=args.gamma_max, kv_budget_bytes=args.kv_mib << 20,
                               max_batched_tokens=max(512, max(batches) * (args.gamma_max + 1))))
     measure_batch(eng, 2, [0, 2], 2, 1, args.prompt_tokens, args.temperature)  # warm-up
     step_ms, tps, all_catchups = [], [], []
@@ -152,6 +152,21 @@ def main(argv: list[str] | None = None) -> int:
           f"({min(t for t, _ in all_catchups) if all_catchups else 0}..{max(t for t, _ in all_catchups) if all_catchups else 0} tokens)")
     print(f"batch-1 best γ speedup: {max(tps[0]) / tps[0][0]:.2f}x;  crossover (γ=0 best from) batch size: {crossover}")
     print(f"wrote {args.out}")
+    # γ = 0 must cost nothing for having a draft loaded: the same steps on an engine without one
+    plain = Engine(EngineConfig(target_path=args.target, num_threads=args.threads, max_running=max(batches),
+                                kv_budget_bytes=args.kv_mib << 20,
+                                max_batched_tokens=max(512, max(batches) * (args.gamma_max + 1))))
+    for b in [x for x in (1, 16) if x in batches]:
+        with_draft = without = 0.0
+        for _ in range(args.rounds):  # alternate the two engines, same load for both
+            t_with, *_ = measure_batch(eng, b, [0], args.steps * 2, 1, args.prompt_tokens, args.temperature)
+            t_without, *_ = measure_batch(plain, b, [0], args.steps * 2, 1, args.prompt_tokens, args.temperature)
+            with_draft += iq_mean(t_with[0]) / args.rounds
+            without += iq_mean(t_without[0]) / args.rounds
+        surface.setdefault("gamma0_overhead", {})[str(b)] = {"with_draft_ms": with_draft, "no_draft_ms": without}
+        print(f"γ=0 step at B={b}: {with_draft:.2f} ms with a draft loaded vs {without:.2f} ms without "
+              f"({(with_draft / without - 1) * 100:+.1f}%)")
+    Path(args.out).write_text(json.dumps(surface, indent=1))
     if args.plot:
         import matplotlib
 

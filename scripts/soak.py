@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import time
 import uuid
@@ -206,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not a.minutes > 0 or not 0 < a.load <= 2 or not 0 <= a.warmup_frac < 1:
         p.error("need --minutes > 0, 0 < --load <= 2, 0 <= --warmup-frac < 1")
+    # SIGTERM (timeout, CI) unwinds through run()'s finally, so the stack's processes stop too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rep = run(a.minutes, a.load, a.workers, a.warmup_frac, a.seed)
     print_report(rep)
     if a.json:

@@ -340,3 +340,21 @@ def test_plots_copy_only_the_headline_timelines(tmp_path):
     assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == \
         ["comparison.png", "timeline_fixed_3_burst.png", "timeline_nightjar_burst.png"]
     assert len(list((tmp_path / "out" / "plots").iterdir())) == 4  # every first-repeat timeline + the bars
+
+
+def test_merge_turns_result_files_into_repeats():
+    from nightjar.bench.cli import merge_payloads
+
+    def payload(tps):
+        runs = [{**_run("nightjar", "burst", tps, 1.0, 0.2), "kind": "dynamic"}, {**_run("fixed:3", "burst", 100, 2.0, 0.2), "kind": "dynamic"}]
+        return {"calibration": {"capacity_rps": 2.0, "fixed_gamma": 3}, "runs": runs, "samples": {"nightjar|burst": [{"t": tps}]}}
+
+    merged = merge_payloads([payload(130), payload(120)])
+    assert sorted(r["repeat"] for r in merged["runs"]) == [0, 0, 1, 1]
+    (row,) = [g for g in merged["goals"] if g["goal"] == "throughput vs fixed-γ (dynamic)"]
+    assert row["ratios"] == pytest.approx([1.3, 1.2])
+    assert merged["samples"]["nightjar|burst"] == [{"t": 130}]  # the first repeat's timeline
+    other = payload(120)
+    other["calibration"]["capacity_rps"] = 3.0
+    with pytest.raises(ValueError, match="--calibration"):
+        merge_payloads([payload(130), other])

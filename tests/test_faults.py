@@ -189,6 +189,18 @@ async def test_redis_restart_unavailable_quickly_then_serves_again(stack, refere
 
 
 @pytest.mark.slow
+async def test_more_concurrent_streams_than_a_redis_pool_default(stack):
+    """Each stream holds a Redis connection while it waits for output; redis-py 8 capped a
+    client at 100 connections, so stream 101 failed UNAVAILABLE ("Too many connections")."""
+    await ready(stack)
+    async with AsyncClient(stack.address, retry=NO_RETRY) as c:
+        done = await asyncio.wait_for(asyncio.gather(*(
+            c.generate(f"{PROMPTS[i % 3]} {i}", max_tokens=6, ignore_eos=True) for i in range(160))), 240)
+    assert all(d.finish_reason == "length" and len(d.token_ids) == 6 for d in done)
+    assert await wait_idle(stack, IDLE, timeout_s=60) == IDLE
+
+
+@pytest.mark.slow
 async def test_a_thousand_cancelled_requests_leave_nothing_behind(stack):
     await ready(stack)
     baseline = IDLE

@@ -125,6 +125,7 @@ async def test_queue_cap_gives_resource_exhausted_with_retry_after(rig):
         await rig.emit(job.request_id, 0, [5, 6], finish="length")
     for call in waiting:
         assert (await collect(call))[0] == [5, 6]
+    await asyncio.sleep(0.2)  # the backlog (XLEN) is polled: let it see the emptied queue
     task = asyncio.create_task(collect(rig.stub.Generate(pb.GenerateRequest(prompt="now fits", max_tokens=1))))
     job = await rig.next_job()
     await rig.emit(job.request_id, 0, [7], finish="length")

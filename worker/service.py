@@ -73,6 +73,9 @@ class WorkerService:
         self.started_ms = now_ms()
         self._policy_version = -1
         self._accepting = True
+        # Set before the tasks are cancelled at shutdown: every loop also checks it, because a
+        # cancellation that lands inside a redis-py call can be lost (see gateway/follower.py).
+        self._closing = False
 
     def _default_engine(self):
         from worker.engine import Engine
@@ -98,6 +101,7 @@ class WorkerService:
             if self.engine.error is None:
                 await self._drain()
         finally:
+            self._closing = True
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -216,7 +220,7 @@ class WorkerService:
     # ------------------------------------------------------------------ outputs
 
     async def _output_loop(self) -> None:
-        while True:
+        while not self._closing:
             results = [await self._results.get()]
             while not self._results.empty():  # fell behind: one round trip for several steps
                 results.append(self._results.get_nowait())
@@ -281,12 +285,13 @@ class WorkerService:
     # ------------------------------------------------------------------ cancels
 
     async def _cancel_listener(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 async with self.redis.pubsub() as ps:
                     await ps.subscribe(self.keys.cancel_channel)
-                    async for msg in ps.listen():
-                        if msg.get("type") != "message":
+                    while not self._closing:
+                        msg = await ps.get_message(ignore_subscribe_messages=True, timeout=0.5)
+                        if not msg or msg.get("type") != "message":
                             continue
                         try:
                             rid = Cancel.decode(msg["data"]).request_id
@@ -299,7 +304,7 @@ class WorkerService:
                 await asyncio.sleep(0.5)
 
     async def _cancel_poll(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.cfg.cancel_poll_s)
             rids = list(self.active)
             if not rids:
@@ -327,7 +332,7 @@ class WorkerService:
 
     async def _heartbeat_loop(self) -> None:
         ttl_ms = int(self.cfg.heartbeat_ttl_s * 1000)
-        while True:
+        while not self._closing:
             try:
                 async with self.redis.pipeline(transaction=True) as pipe:
                     pipe.set(self.keys.heartbeat(self.cfg.worker_id), self.heartbeat().encode(), px=ttl_ms)

@@ -65,6 +65,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/bench/UTC-STAMP)")
     p.add_argument("--plots-dir", type=Path, default=None, help="also copy the headline plots here (e.g. docs/bench)")
     p.add_argument("--repeats", type=int, default=1, help="repeat the policy sweep (interleaved) for the ratios' spread")
+    p.add_argument("--report", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
+                   help="run nothing: merge earlier results.json files (each one a repeat) into one report and plots")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         p.error(str(exc))
     out = a.out or Path("runs/bench") / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    if a.report:
+        return _merge(a, p, out)
     if a.target:
         return _against_running(a, p, scale, out)
     return _compare(a, p, scale, out)
@@ -131,6 +135,50 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
     _plots(payload, out, a.plots_dir)
     print(md)
     print(f"bench: results in {out}", file=sys.stderr)
+    return 0
+
+
+def merge_payloads(payloads: list[dict]) -> dict:
+    """Earlier comparisons as repeats of one: runs renumbered, goals recomputed across them.
+
+    They must share the calibration (``--calibration`` of the first), or their workloads differ."""
+    from nightjar.bench import report
+
+    first = payloads[0]
+    caps = {round(pl["calibration"]["capacity_rps"], 6) for pl in payloads}
+    if len(caps) > 1:
+        raise ValueError(f"the results were run at different capacities {sorted(caps)}: rerun with --calibration FIRST/results.json")
+    runs, samples, rep = [], {}, 0
+    for pl in payloads:
+        reps = sorted({r.get("repeat", 0) for r in pl["runs"]})
+        for k in reps:
+            for r in pl["runs"]:
+                if r.get("repeat", 0) == k:
+                    runs.append({**r, "repeat": rep})
+            rep += 1
+        for key, s in pl["samples"].items():
+            policy, workload, *_ = key.split("|")
+            samples.setdefault(f"{policy}|{workload}", s)  # timelines of the first repeat
+    kinds = {r["workload"]: r["kind"] for r in runs}
+    return {**first, "runs": runs, "samples": samples, "goals": report.goal_rows(runs, kinds), "merged_from": rep}
+
+
+def _merge(a: argparse.Namespace, p: argparse.ArgumentParser, out: Path) -> int:
+    import json
+
+    from nightjar.bench import report
+
+    try:
+        payloads = [json.loads(path.read_text()) for path in a.report]
+        payload = merge_payloads(payloads)
+    except (OSError, ValueError, KeyError) as exc:
+        p.error(f"--report: {exc}")
+    report.write_json(out / "results.json", payload)
+    md = render(payload)
+    (out / "report.md").write_text(md)
+    _plots(payload, out, a.plots_dir)
+    print(md)
+    print(f"bench: merged {len(a.report)} result files in {out}", file=sys.stderr)
     return 0
 
 
