@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 
+from gateway.output_reader import OutputReader
 from nightjar.keys import Keys
 from nightjar.messages import Cancel, Job, MessageError, OutputChunk
 
@@ -15,30 +16,24 @@ log = logging.getLogger("gateway")
 
 
 class RequestQueue:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, *, read_block_ms: int, cancel_ttl_s: float) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, reader: OutputReader, *, cancel_ttl_s: float) -> None:
         self._redis = redis
         self._keys = keys
-        self._block_ms = read_block_ms
+        self._reader = reader
         self._cancel_ttl_ms = int(cancel_ttl_s * 1000)
         self._background: set[asyncio.Task] = set()
 
     async def enqueue(self, job: Job) -> None:
         # No MAXLEN: trimming would silently drop queued requests; the cap is enforced at
         # admission and the scheduler deletes each entry once it is dispatched. Shielded:
-        # see ``outputs`` for why a handler never awaits a redis-py call directly.
+        # see gateway/output_reader.py for why a handler never awaits a redis-py call directly.
         await asyncio.shield(self._redis.xadd(self._keys.requests, {b"job": job.encode()}))
 
     async def outputs(self, request_id: str) -> AsyncIterator[OutputChunk]:
-        """Every chunk written to the request's output stream, in order, until a final one.
-
-        The XREAD loop runs in its own task and hands chunks over through a queue. A gRPC
-        handler cancelled (client gone) while awaiting a redis-py read can lose that one
-        cancellation and hang (seen with grpcio 1.85 + redis-py 8 on Python 3.11), so the
-        handler only ever waits on the queue; the reader also stops on a flag each XREAD.
-        """
-        queue: asyncio.Queue = asyncio.Queue()
-        stop = asyncio.Event()
-        reader = asyncio.get_running_loop().create_task(self._read(request_id, queue, stop))
+        """Every chunk written to the request's output stream, in order, until a final one
+        (read by the gateway's one OutputReader; see there why handlers wait on a queue)."""
+        stream = self._keys.output(request_id)
+        queue = await self._reader.register(stream)
         try:
             while True:
                 item = await queue.get()
@@ -48,27 +43,7 @@ class RequestQueue:
                 if item.finish_reason is not None:
                     return
         finally:
-            stop.set()
-            reader.cancel()
-
-    async def _read(self, request_id: str, queue: asyncio.Queue, stop: asyncio.Event) -> None:
-        stream, last_id = self._keys.output(request_id), b"0-0"
-        try:
-            while not stop.is_set():
-                reply = await self._redis.xread({stream: last_id}, block=self._block_ms, count=512)
-                for _name, entries in reply or ():
-                    for entry_id, fields in entries:
-                        last_id = entry_id
-                        try:
-                            chunk = OutputChunk.decode(fields[b"c"])
-                        except (KeyError, MessageError) as exc:
-                            log.error("dropping a malformed output entry %s of %s: %s", entry_id, request_id, exc)
-                            continue
-                        queue.put_nowait(chunk)
-                        if chunk.finish_reason is not None:
-                            return
-        except Exception as exc:  # Redis unreachable mid-stream: the handler raises it (-> UNAVAILABLE)
-            queue.put_nowait(exc)
+            self._reader.unregister(stream)
 
     def cancel_soon(self, request_id: str, reason: str) -> None:
         """Mark the request cancelled and tell the workers, without waiting.

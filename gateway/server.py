@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 import grpc
+import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -13,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from gateway.admission import AdmissionTable
 from gateway.config import GatewayConfig
 from gateway.follower import RequestQueue
+from gateway.output_reader import OutputReader
 from gateway.interceptors import ErrorInterceptor
 from gateway.servicer import InferenceServicer
 from nightjar.keys import Keys
@@ -43,7 +45,12 @@ class Gateway:
         # must turn the gateway NOT_SERVING quickly, not after a blocking read's margin.
         self._probe = connect_redis(cfg.redis_url, timeout_s=cfg.redis_timeout_s, block_margin_s=cfg.redis_timeout_s)
         self.table = AdmissionTable(cfg.max_streams, cfg.max_queued, cfg.retry_after_ms)
-        self.queue = RequestQueue(self._redis, self.keys, read_block_ms=cfg.read_block_ms, cancel_ttl_s=cfg.cancel_ttl_s)
+        # One connection of its own for the shared XREAD, so CLIENT UNBLOCK targets only it.
+        self._reader_redis = aioredis.Redis.from_url(cfg.redis_url, single_connection_client=True,
+                                                     socket_connect_timeout=cfg.redis_timeout_s,
+                                                     socket_timeout=cfg.read_block_ms / 1000 + 5.0)
+        self.reader = OutputReader(self._redis, self._reader_redis, cfg.read_block_ms)
+        self.queue = RequestQueue(self._redis, self.keys, self.reader, cancel_ttl_s=cfg.cancel_ttl_s)
         self.health = HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -64,6 +71,7 @@ class Gateway:
         await self._set_health(NOT_SERVING)
         await server.start()
         self.server = server
+        self.reader.start()
         self._watch_task = asyncio.create_task(self._watch(), name="gateway-watch")
         log.info("gateway listening on %s:%d (model %s)", self.cfg.host, self.port, self.cfg.model_name)
         return self.port
@@ -85,6 +93,8 @@ class Gateway:
         if self._watch_task:
             self._watch_task.cancel()
         await self.queue.drain_background()
+        await self.reader.close()
+        await self._reader_redis.aclose()
         await self._redis.aclose()
         await self._probe.aclose()
         self.server = None

@@ -87,8 +87,18 @@ def _hints(cls: type) -> dict[str, Any]:
     return _HINTS[cls]
 
 
+_PLAIN = (int, str, bytes, bool, float)
+_INT_TUPLES = (tuple[int, ...],)
+
+
 def _check(value: Any, tp: Any, where: str) -> Any:
     """Return ``value`` converted to ``tp`` (lists -> tuples) or raise MessageError."""
+    # Fast paths first (token chunks are decoded for every streamed token): a value of
+    # exactly the plain type, and a list of plain ints, need no typing introspection.
+    if tp in _PLAIN and type(value) is tp:
+        return value
+    if tp in _INT_TUPLES and type(value) in (list, tuple) and all(type(v) is int for v in value):
+        return tuple(value)
     origin = get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         for arm in get_args(tp):

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_pipeline.py [--streams 32] [--max-tokens 32] [--rounds 3]
 
 One run, side by side, alternating engine and stack rounds so that load from elsewhere hits
-both alike:
+both alike; the engine side runs in a bare child process of its own, like a worker's:
 - TTFT: single requests one at a time; the stack's time to first token (client-side, gRPC
   over loopback) minus the engine's (add_request -> first token, same thread). p50 of the
   difference is the pipeline's added TTFT (goal <= 5 ms).
@@ -76,6 +76,49 @@ class InProcess:
         return tokens / (time.perf_counter() - t0)
 
 
+class EngineProcess:
+    """InProcess in a child process of its own, so that the engine side runs in a process
+    as bare as a worker's (no gRPC client, no event loop) and gets the CPU the same way."""
+
+    def __init__(self, draft: Path | None, threads: int, gamma: int) -> None:
+        import subprocess
+
+        args = [sys.executable, __file__, "--engine-child", "--threads", str(threads), "--gamma", str(gamma)]
+        if draft is None:
+            args.append("--no-draft")
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def _ask(self, **req) -> float:
+        import json
+
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        return float(self.proc.stdout.readline())
+
+    def ttft_ms(self, text: str, max_tokens: int) -> float:
+        return self._ask(op="ttft", text=text, max_tokens=max_tokens)
+
+    def throughput(self, texts: list[str], max_tokens: int) -> float:
+        return self._ask(op="tput", texts=texts, max_tokens=max_tokens)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def engine_child(a: argparse.Namespace) -> None:
+    import json
+
+    local = InProcess(paths.DEFAULT_TARGET, None if a.no_draft else paths.DEFAULT_DRAFT, a.threads, a.gamma)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["op"] == "ttft":
+            print(local.ttft_ms(req["text"], req["max_tokens"]), flush=True)
+        else:
+            print(local.throughput(req["texts"], req["max_tokens"]), flush=True)
+
+
 class ThroughStack:
     def __init__(self, address: str) -> None:
         import grpc
@@ -115,7 +158,7 @@ async def run(a: argparse.Namespace) -> None:
     stack = Stack(StackConfig(port=0, workers=1, planner=False, policy=policy, draft_path=draft,
                               worker_threads=a.threads, log_level="WARNING")).start()
     try:
-        local = InProcess(paths.DEFAULT_TARGET, draft, a.threads, a.gamma)
+        local = EngineProcess(draft, a.threads, a.gamma)
         remote = ThroughStack(stack.address)
         await remote.ttft_ms(texts[0], 2)  # warm both paths (first gRPC call, first engine step)
         local.ttft_ms(texts[0], 2)
@@ -129,6 +172,7 @@ async def run(a: argparse.Namespace) -> None:
             stk_tps.append(await remote.throughput(batch, a.max_tokens))
             print(f"round {r + 1}/{a.rounds}: engine {eng_tps[-1]:.0f} tok/s, stack {stk_tps[-1]:.0f} tok/s", file=sys.stderr)
         await remote.channel.close()
+        local.close()
     finally:
         stack.stop()
     added = [s - e for s, e in zip(stk_ttft, eng_ttft)]
@@ -154,8 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads for both the worker and the in-process engine")
     p.add_argument("--gamma", type=int, default=0, help="fixed γ on both sides (0 = plain decoding)")
     p.add_argument("--no-draft", action="store_true")
+    p.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    asyncio.run(run(a))
+    if a.engine_child:
+        engine_child(a)
+    else:
+        asyncio.run(run(a))
     return 0
 
 

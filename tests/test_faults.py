@@ -136,7 +136,7 @@ async def test_gateway_restart_the_sdk_retry_gets_through(stack, reference):
 
         # SIGKILL: no drain. The stream in progress fails UNAVAILABLE (tokens were already
         # delivered, so the SDK does not retry it); the worker finishes it for nobody.
-        stream = c.stream(PROMPTS[2], max_tokens=900, ignore_eos=True)
+        stream = c.stream(PROMPTS[2], max_tokens=300, ignore_eos=True)
         await anext(stream)  # tokens are flowing
         gw = stack.service("gateway")
         gw.proc.send_signal(signal.SIGKILL)
@@ -155,7 +155,7 @@ async def test_redis_restart_unavailable_quickly_then_serves_again(stack, refere
     """A non-persistent Redis goes away and comes back empty on the same port."""
     await ready(stack)
     async with AsyncClient(stack.address, retry=NO_RETRY) as c:
-        stream = c.stream(PROMPTS[0], max_tokens=900, ignore_eos=True)
+        stream = c.stream(PROMPTS[0], max_tokens=300, ignore_eos=True)
         await anext(stream)  # tokens are flowing
         port = stack.redis.port
         stack.redis.stop()

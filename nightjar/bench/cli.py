@@ -21,7 +21,7 @@ FULL_WORKLOADS = ("burst@30", "azure_conv@25", "poisson:0.3@10", "poisson:1.5@15
 QUICK_POLICIES = ("fixed:G", "nightjar")
 QUICK_WORKLOADS = ("burst@20",)
 # Timelines copied into --plots-dir (every run's timeline stays in the output folder).
-HEADLINE_TIMELINES = ("nightjar", "nightjar-nooffload", "fixed", "off")
+HEADLINE_TIMELINES = ("nightjar", "fixed")
 
 
 def _workload(text: str):
@@ -194,7 +194,8 @@ def render(payload: dict, wall_s: float | None = None) -> str:
             lines.append(f"| {g} | {row['tokens_per_s']:.1f} | {'–' if acc is None else f'{acc:.2f}'} |")
     for note in cal.get("notes", []):
         lines.append(f"\nNote: {note}")
-    lines += ["", report.markdown_runs(payload["runs"]), "", report.markdown_goals(payload["goals"])]
+    lines += ["", report.markdown_summary(payload["runs"]), report.markdown_goals(payload["goals"]),
+              "", "Every run:", "", report.markdown_runs(payload["runs"])]
     if wall_s is not None:
         lines.append(f"\nWall time {wall_s / 60:.1f} min.")
     return "\n".join(lines) + "\n"

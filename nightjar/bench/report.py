@@ -117,8 +117,14 @@ def goal_rows(runs: list[dict], workload_kinds: dict[str, str], subject: str = "
                 continue
             r = sum(ratios) / len(ratios)
             ok = r >= threshold if direction == "ge" else r <= threshold
+            note = ""
+            if base_kind == "nightjar-nooffload":
+                # The offload goal is about offload: a difference without one is noise, not a result.
+                offloads = sum((by[(subject, wl, k)].get("engine") or {}).get("offloads", 0) for k in repeats if (subject, wl, k) in by)
+                if offloads == 0:
+                    ok, note = None, "not exercised: no offload happened"
             rows.append({"goal": name, "workload": wl, "baseline": base, "ratio": r, "ratios": ratios,
-                         "target": f"{'≥' if direction == 'ge' else '≤'} {threshold:.2f}", "met": ok})
+                         "target": f"{'≥' if direction == 'ge' else '≤'} {threshold:.2f}", "met": ok, "note": note})
     return rows
 
 
@@ -157,10 +163,41 @@ def markdown_runs(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _mean_range(values: list[float | None], digits: int, scale: float = 1.0) -> str:
+    xs = [v * scale for v in values if v is not None]
+    if not xs:
+        return "–"
+    mean = sum(xs) / len(xs)
+    return f"{mean:.{digits}f}" if len(xs) == 1 else f"{mean:.{digits}f} ({min(xs):.{digits}f}–{max(xs):.{digits}f})"
+
+
+def markdown_summary(runs: list[dict]) -> str:
+    """One table per workload, one row per policy: means over repeats, (min–max) when repeated."""
+    out = []
+    for wl in dict.fromkeys(r["workload"] for r in runs):
+        rows = [r for r in runs if r["workload"] == wl]
+        out += [f"**{wl}**", "",
+                "| policy | ok/sent | output tok/s | req/s | TTFT p50 (s) | ITL mean (ms) | e2e mean (s) | e2e p99 (s) "
+                "| γ switches | offloads | acceptance | mean batch |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for pol in dict.fromkeys(r["policy"] for r in rows):
+            rs = [r for r in rows if r["policy"] == pol]
+            eng = [r.get("engine") or {} for r in rs]
+            out.append(
+                f"| {pol} | {sum(r['ok'] for r in rs)}/{sum(r['sent'] for r in rs)} | {_mean_range([r['tokens_per_s'] for r in rs], 1)} "
+                f"| {_mean_range([r['requests_per_s'] for r in rs], 2)} | {_mean_range([r['ttft_s']['p50'] for r in rs], 2)} "
+                f"| {_mean_range([r['itl_s']['mean'] for r in rs], 0, 1e3)} | {_mean_range([r['e2e_s']['mean'] for r in rs], 2)} "
+                f"| {_mean_range([r['e2e_s']['p99'] for r in rs], 2)} | {_mean_range([e.get('gamma_switches') for e in eng], 0)} "
+                f"| {sum(e.get('offloads', 0) for e in eng)} | {_mean_range([e.get('acceptance') for e in eng], 2)} "
+                f"| {_mean_range([e.get('mean_batch') for e in eng], 1)} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def markdown_goals(rows: list[dict]) -> str:
     lines = ["| goal | workload | baseline | nightjar ÷ baseline | target | result |", "|---|---|---|---|---|---|"]
     for r in rows:
-        verdict = "–" if r["met"] is None else ("met" if r["met"] else "**missed**")
+        verdict = r.get("note") or "–" if r["met"] is None else ("met" if r["met"] else "**missed**")
         value = _f(r["ratio"], 3)
         if len(r.get("ratios", ())) > 1:
             value += f" ({min(r['ratios']):.3f}–{max(r['ratios']):.3f}, {len(r['ratios'])} repeats)"
