@@ -152,6 +152,8 @@ def test_offload_needs_sustained_pressure_and_gamma_zero():
     assert ctl.directive("w0") == RESIDENT
     _pressure(ctl, 200, full=True, waiting=3, gamma_wanted=2)  # pressure, but speculation still pays
     assert ctl.directive("w0") == RESIDENT
+    _pressure(ctl, 200, full=True, waiting=3, gamma_wanted=0, gain=0.3)  # γ=0 in force, model disagrees
+    assert ctl.directive("w0") == RESIDENT
     _pressure(ctl, 200, full=True, waiting=3, gamma_wanted=0)
     assert ctl.directive("w0") == OFFLOADED
 

@@ -195,3 +195,21 @@ def test_table_policy_picks_the_bucket_at_or_below_the_batch_size():
     assert [pol(b) for b in (1, 2, 4, 15, 16, 64)] == [4, 4, 2, 2, 0, 0]
     with pytest.raises(ValueError):
         table_policy({})
+
+
+def test_gamma_zero_runs_no_draft_work_at_all():
+    target, _ = pair()
+    eng = _spec_engine()
+    runner = eng.speculator.runner
+
+    def forbidden(runs):
+        raise AssertionError("the draft ran a forward while γ = 0")
+
+    runner.forward = forbidden  # shadows the method on this instance only
+    try:
+        eng.set_gamma_policy(lambda b: 0)
+        out = run_all(eng, _reqs(prompt_ids(target, 4), n=8))
+    finally:
+        del runner.forward
+    assert all(len(v) > 0 for v in out.values())
+    assert runner.blocks.num_free == runner.blocks.num_blocks  # no draft slots reserved either

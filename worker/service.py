@@ -74,7 +74,7 @@ class WorkerService:
         self._policy_version = -1
         self._accepting = True
         # Set before the tasks are cancelled at shutdown: every loop also checks it, because a
-        # cancellation that lands inside a redis-py call can be lost (see gateway/follower.py).
+        # cancellation that lands inside a redis-py call can be lost (see gateway/output_reader.py).
         self._closing = False
 
     def _default_engine(self):

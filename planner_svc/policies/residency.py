@@ -4,6 +4,7 @@ Pressure of a step = (requests waiting) and (KV used / KV total >= kv_full_fract
 worker keeps an exponential average p of it. With hysteresis and a minimum dwell:
 
     offload  if resident  and p >= offload_above and γ wanted at its batch size == 0
+             and gain <= offload_max_gain
     reload   if offloaded and p <= reload_below  and used KV fits in reload_fit · resident pool
              and gain · horizon_ms > reload_cost_ms + catch-up ms of its live tokens
 
@@ -25,6 +26,7 @@ class ResidencySettings:
     kv_full_fraction: float = 0.9
     pressure_smoothing: float = 0.02  # EMA weight per step: pressure must last ~1/this steps
     offload_above: float = 0.8
+    offload_max_gain: float = 0.02  # offload only if speculation is predicted to gain <= 2% here
     reload_below: float = 0.2
     min_dwell_steps: int = 300
     reload_fit: float = 0.85  # used KV must fit in this share of the resident pool to reload
@@ -75,7 +77,10 @@ class ResidencyController:
         if w.steps_since_change < s.min_dwell_steps:
             return
         if w.residency == RESIDENT:
-            if w.pressure >= s.offload_above and gamma_wanted(stats.batch_size) == 0:
+            # γ in force is 0 *and* the model sees nothing to gain from speculating at this
+            # batch size: a stale or exploring table must not push the draft out while it pays.
+            if (w.pressure >= s.offload_above and gamma_wanted(stats.batch_size) == 0
+                    and gain(stats.batch_size) <= s.offload_max_gain):
                 w.residency, w.steps_since_change = OFFLOADED, 0
                 w.offloads += 1
             return
