@@ -6,7 +6,8 @@ worker keeps an exponential average p of it. With hysteresis and a minimum dwell
     offload  if resident  and p >= offload_above and γ wanted at its batch size == 0
              and gain <= offload_max_gain
     reload   if offloaded and p <= reload_below  and used KV fits in reload_fit · resident pool
-             and gain · horizon_ms > reload_cost_ms + catch-up ms of its live tokens
+             and gain · horizon_ms > reload_cost_ms + catch-up ms of its live tokens,
+             or, pressure or not, if gain >= reload_gain_under_pressure (a mistaken offload)
 
 where gain = 1 − L(γ*)/L(0) is the policy's predicted speed-up of speculation at the worker's
 batch size. Both moves wait ``min_dwell_steps`` after the previous one, so it cannot flap.
@@ -27,6 +28,7 @@ class ResidencySettings:
     pressure_smoothing: float = 0.02  # EMA weight per step: pressure must last ~1/this steps
     offload_above: float = 0.8
     offload_max_gain: float = 0.02  # offload only if speculation is predicted to gain <= 2% here
+    reload_gain_under_pressure: float = 0.15  # ... and reload regardless of pressure above 15%
     reload_below: float = 0.2
     min_dwell_steps: int = 300
     reload_fit: float = 0.85  # used KV must fit in this share of the resident pool to reload
@@ -39,6 +41,8 @@ class ResidencySettings:
             raise ValueError(f"kv_full_fraction must be in (0, 1], got {self.kv_full_fraction}")
         if not 0 < self.pressure_smoothing <= 1:
             raise ValueError(f"pressure_smoothing must be in (0, 1], got {self.pressure_smoothing}")
+        if not 0 <= self.offload_max_gain < self.reload_gain_under_pressure:
+            raise ValueError("need 0 <= offload_max_gain < reload_gain_under_pressure (the hysteresis band)")
         if not 0 <= self.reload_below < self.offload_above <= 1:
             raise ValueError("need 0 <= reload_below < offload_above <= 1 (the hysteresis band)")
         if self.min_dwell_steps < 0 or self.block_tokens < 1:
@@ -86,6 +90,13 @@ class ResidencyController:
             return
         if w.steps_since_change % 16:
             return  # reload is a slow decision; checking it every 16 steps keeps update() cheap
+        if gain(stats.batch_size) >= s.reload_gain_under_pressure:
+            # Speculation pays a lot even at this (larger) batch: the offload was a mistake or
+            # the world changed; take the draft back even under pressure (the engine waits for
+            # the used KV to fit the smaller pool).
+            w.residency, w.steps_since_change = RESIDENT, 0
+            w.reloads += 1
+            return
         pool = w.resident_kv_total or total // 2
         if w.pressure > s.reload_below or stats.kv_blocks_used > s.reload_fit * pool:
             return
