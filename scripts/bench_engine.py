@@ -9,9 +9,11 @@ For each concurrency c:
   hf-single    transformers generate(do_sample=False), one request at a time
   hf-padded    transformers generate on left-padded batches of c (a batch runs to its longest
                request; only the requested tokens count)
-Tokens/s = requested completion tokens / wall seconds, prefill included for everyone.
---profile adds the batch-1 decode breakdown (torch.profiler) and the physical floor
-(weight bytes / measured memory bandwidth).
+Tokens/s = requested completion tokens / wall seconds, prefill included for everyone. The box
+is shared, so both sides are measured under the same load: at c = 1 engine and transformers
+alternate request by request; at c > 1 each runs --reps times, alternating, best kept.
+--profile adds the batch-1 decode breakdown (cProfile) and the physical floor (bytes a decode
+step must stream / measured read bandwidth).
 """
 
 from __future__ import annotations

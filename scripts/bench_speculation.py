@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     acc_num = [0] * args.gamma_max
     acc_den = [0] * args.gamma_max
     t_start = time.time()
-    print(f"tokens/s (greedy, threads={args.threads}); columns γ = {gammas}")
+    mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
+    print(f"tokens/s ({mode}, threads={args.threads}); columns γ = {gammas}")
     for b in batches:
         times, emitted, accepted, verified, catchups = measure_batch(
             eng, b, gammas, args.steps, args.rounds, args.prompt_tokens, args.temperature)

@@ -97,11 +97,7 @@ class _Timeline:
         self.hist_scale = self.catchup_scale = 1.0
         self.bin_ms = 0.0
         self.bin_tokens = 0.0
-        self.predicted = 0.0  # model loss (uncorrected) of the bin's arm when the bin began
-        # Per-arm correction: observed / modelled loss over this bucket's bins (EMA, prior 1).
-        # The shared model keys verify cost on tokens per pass; where per-sequence costs make
-        # (B=32, γ=0) dearer than (B=16, γ=1), the arm's own bins correct it.
-        self.ratio = [1.0] * arms
+        self.predicted = 0.0  # predicted loss of the bin's arm when the bin began
 
     # Decay without touching every entry each step: new data is added with a weight that grows
     # by 1/decay per step, and everything is renormalised once the weight gets large.
@@ -174,10 +170,6 @@ class NightjarPolicy(GammaPolicy):
         """Predicted ms per emitted token of every arm in one bucket, shape [γmax+1]."""
         tl = self.timelines[bucket]
         sizes, weights = tl.support()
-        return self._model_losses(bucket) * np.asarray(tl.ratio)
-
-    def _model_losses(self, bucket: int) -> np.ndarray:
-        tl = self.timelines[bucket]
         sizes, weights = tl.support()
         step = weights @ self.cost.step_ms(sizes, self.gamma_max) + tl.catchup_per_step()  # [G+1]
         tokens = float(weights @ sizes) * np.asarray(self.acceptance.expected_tokens())  # [G+1]
@@ -237,13 +229,11 @@ class NightjarPolicy(GammaPolicy):
         if not self.cost.ready:
             tl.steps_left = s.bin_base
             return
-        raw = self._model_losses(bucket)
-        if tl.bin_tokens > 0 and tl.predicted > 0:
-            r = (tl.bin_ms / tl.bin_tokens) / tl.predicted
-            if not tl.probing and abs(r / tl.ratio[tl.arm] - 1.0) > s.change_tolerance:
+        loss = self.losses(bucket)
+        if not tl.probing and tl.bin_tokens > 0 and tl.predicted > 0:
+            observed = tl.bin_ms / tl.bin_tokens
+            if abs(observed / tl.predicted - 1.0) > s.change_tolerance:
                 tl.block, tl.bin_index = 0, 0  # the world moved: explore again from the start
-            tl.ratio[tl.arm] += 0.3 * (min(max(r, 0.2), 5.0) - tl.ratio[tl.arm])
-        loss = raw * np.asarray(tl.ratio)
         tl.exploit_arm = self._exploit_choice(tl, loss)
         probe = self._probe_choice(tl, loss)
         if probe is not None:
@@ -255,7 +245,7 @@ class NightjarPolicy(GammaPolicy):
         if tl.bin_index >= s.bins_per_block:
             tl.block, tl.bin_index = tl.block + 1, 0
         tl.bin_ms = tl.bin_tokens = 0.0
-        tl.predicted = float(raw[tl.arm])
+        tl.predicted = float(loss[tl.arm])
         if tl.arm != old:
             self.switches += 1
         if self.bins_ended % 8 == 0:
@@ -337,7 +327,7 @@ class NightjarPolicy(GammaPolicy):
             "residency": self.residency_ctl.state_dict(),
             "timelines": [{"arm": t.arm, "exploit_arm": t.exploit_arm, "block": t.block, "bin_index": t.bin_index,
                            "steps": t.steps, "plays": t.plays, "last_played": t.last_played,
-                           "catchup": t.catchup, "recent_plays": t.recent_plays, "ratio": t.ratio, "hist": t.hist.tolist()} for t in self.timelines],
+                           "catchup": t.catchup, "recent_plays": t.recent_plays, "hist": t.hist.tolist()} for t in self.timelines],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -361,5 +351,4 @@ class NightjarPolicy(GammaPolicy):
             tl.last_played = [int(x) for x in row["last_played"]]
             tl.catchup = [float(x) for x in row["catchup"]]
             tl.recent_plays = [float(x) for x in row.get("recent_plays", [0.0] * arms)]
-            tl.ratio = [float(x) for x in row.get("ratio", [1.0] * arms)]
             tl.hist = np.asarray(row["hist"], dtype=float)
