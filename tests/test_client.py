@@ -118,7 +118,7 @@ def test_breaking_out_of_a_stream_cancels_it(gateway):
         stream = c.stream("echo: " + " ".join(["w"] * 200), max_tokens=200)
         assert next(stream).text == "w"
         stream.close()
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 15  # generous: the CI box is shared and loaded
     while gateway.servicer.cancelled == before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert gateway.servicer.cancelled > before
