@@ -110,3 +110,28 @@ def add_common_args(parser, env: EnvDefaults) -> None:
     parser.add_argument("--key-prefix", default=env.key_prefix, help="prefix of every Redis key (env NIGHTJAR_KEY_PREFIX)")
     parser.add_argument("--log-level", default=env.log_level, help="DEBUG, INFO, WARNING (env NIGHTJAR_LOG_LEVEL)")
     parser.add_argument("--metrics-port", type=int, default=env.metrics_port, help="Prometheus /metrics port, 0 = off (env NIGHTJAR_METRICS_PORT)")
+
+
+async def run_redis_loop(name: str, cfg, make_service: Callable[[aioredis.Redis], object]) -> int:
+    """Serve metrics, then run ``make_service(redis).run(stop)`` until SIGTERM/SIGINT.
+
+    A service whose Redis is not up yet (compose starts everything at once) or goes away is
+    rebuilt and rerun after a second, rather than exiting. ``cfg`` needs ``metrics_port``,
+    ``redis_url`` and ``read_block_ms``.
+    """
+    from redis.exceptions import RedisError
+
+    from nightjar import metrics
+
+    metrics.serve(cfg.metrics_port)
+    redis = connect_redis(cfg.redis_url, block_margin_s=cfg.read_block_ms / 1000 + 5.0)
+    stop = asyncio.Event()
+    install_stop_handlers(asyncio.get_running_loop(), lambda _sig: stop.set())
+    while not stop.is_set():
+        try:
+            await make_service(redis).run(stop)
+        except (RedisError, OSError) as exc:
+            logging.getLogger(name).warning("cannot reach Redis (%s); retrying", exc)
+            await asyncio.sleep(1.0)
+    await redis.aclose()
+    return 0

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import sys
 
-from redis.exceptions import RedisError
-
-from nightjar.service_util import add_common_args, connect_redis, env_defaults, install_stop_handlers, run_async, setup_logging
+from nightjar.service_util import add_common_args, env_defaults, run_async, run_redis_loop, setup_logging
 from planner_svc.config import PlannerConfig
 from planner_svc.policies import SPECS
 
@@ -37,21 +33,9 @@ def parse_config(argv: list[str]) -> PlannerConfig:
 
 
 async def serve(cfg: PlannerConfig) -> int:
-    from nightjar import metrics
     from planner_svc.service import PlannerService
 
-    metrics.serve(cfg.metrics_port)
-    redis = connect_redis(cfg.redis_url, block_margin_s=cfg.read_block_ms / 1000 + 5.0)
-    stop = asyncio.Event()
-    install_stop_handlers(asyncio.get_running_loop(), lambda _sig: stop.set())
-    while not stop.is_set():  # Redis may not be up yet (compose starts everything at once)
-        try:
-            await PlannerService(cfg, redis).run(stop)
-        except (RedisError, OSError) as exc:
-            logging.getLogger("planner").warning("cannot reach Redis (%s); retrying", exc)
-            await asyncio.sleep(1.0)
-    await redis.aclose()
-    return 0
+    return await run_redis_loop("planner", cfg, lambda redis: PlannerService(cfg, redis))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import sys
 
-from redis.exceptions import RedisError
-
-from nightjar.service_util import add_common_args, connect_redis, env_defaults, install_stop_handlers, run_async, setup_logging
+from nightjar.service_util import add_common_args, env_defaults, run_async, run_redis_loop, setup_logging
 from scheduler_svc.config import SchedulerConfig
 
 
@@ -32,21 +28,9 @@ def parse_config(argv: list[str]) -> SchedulerConfig:
 
 
 async def serve(cfg: SchedulerConfig) -> int:
-    from nightjar import metrics
     from scheduler_svc.scheduler import Scheduler
 
-    metrics.serve(cfg.metrics_port)
-    redis = connect_redis(cfg.redis_url, block_margin_s=cfg.read_block_ms / 1000 + 5.0)
-    stop = asyncio.Event()
-    install_stop_handlers(asyncio.get_running_loop(), lambda _sig: stop.set())
-    while not stop.is_set():  # Redis may not be up yet (compose starts everything at once)
-        try:
-            await Scheduler(cfg, redis).run(stop)
-        except (RedisError, OSError) as exc:
-            logging.getLogger("scheduler").warning("cannot reach Redis (%s); retrying", exc)
-            await asyncio.sleep(1.0)
-    await redis.aclose()
-    return 0
+    return await run_redis_loop("scheduler", cfg, lambda redis: Scheduler(cfg, redis))
 
 
 def main(argv: list[str] | None = None) -> int:
