@@ -22,6 +22,7 @@ from pathlib import Path
 import redis
 
 from engine_support import pair
+from pipeline_support import heartbeats  # noqa: F401 (re-exported for the reliability tests)
 from nightjar import paths
 from nightjar.keys import Keys
 from nightjar.messages import Heartbeat
@@ -67,19 +68,6 @@ def client(stack: Stack) -> redis.Redis:
 
 def keys(stack: Stack) -> Keys:
     return Keys(stack.cfg.key_prefix)
-
-
-def heartbeats(stack: Stack) -> dict[str, Heartbeat]:
-    r, k = client(stack), keys(stack)
-    try:
-        out = {}
-        for w in r.smembers(k.workers):
-            raw = r.get(k.heartbeat(w.decode()))
-            if raw:
-                out[w.decode()] = Heartbeat.decode(raw)
-        return out
-    finally:
-        r.close()
 
 
 def kv_free(stack: Stack) -> int:
