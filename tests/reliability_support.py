@@ -25,7 +25,6 @@ from engine_support import pair
 from pipeline_support import heartbeats  # noqa: F401 (re-exported for the reliability tests)
 from nightjar import paths
 from nightjar.keys import Keys
-from nightjar.messages import Heartbeat
 from nightjar.redis_server import EmbeddedRedis
 from nightjar.stack import Service, Stack, StackConfig
 
