@@ -12,6 +12,7 @@ Intermediate fp32 checkpoints and logs go to runs/ (git-ignored).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -74,12 +75,19 @@ def cmd_target(a: argparse.Namespace) -> int:
     train, heldout = load_streams(a.tokenizer, CorpusSpec(root=a.stdlib, seed=a.seed), a.runs / "data")
     log(f"streams: train {train.numel()} tokens, heldout {heldout.numel()} tokens")
     torch.manual_seed(a.seed)
+    seen = 0
     if a.init_target is not None:  # continue an earlier run (e.g. when the machine is quieter)
         model = LlamaForCausalLM.from_pretrained(a.init_target, dtype=torch.float32)
-        log(f"continuing from {a.init_target}")
+        prior = json.loads((a.init_target / "train_stats.json").read_text())
+        seen = int(prior.get("tokens_total", prior["tokens"]))
+        log(f"continuing from {a.init_target} ({seen} tokens seen)")
     else:
         model = LlamaForCausalLM(TARGET.config())
-    stats = train_lm(model, train, _spec(a, a.target_minutes, a.target_tokens, a.target_lr), log)
+    spec = _spec(a, a.target_minutes, a.target_tokens, a.target_lr)
+    # A continuation samples fresh windows: the same seed would replay the earlier run's batches.
+    spec = dataclasses.replace(spec, seed=a.seed + seen)
+    stats = train_lm(model, train, spec, log)
+    stats["tokens_total"] = seen + stats["tokens"]
     stats["heldout_loss"] = heldout_loss(model, heldout)
     log(f"target done: {json.dumps(stats)}")
     model.save_pretrained(a.runs / "target")
