@@ -87,7 +87,7 @@ class Workload:
 def _mean_load(spec: str) -> float:
     if spec.startswith("rates:"):
         return float(np.mean(_rates(spec)))
-    loads, weights = sim_trace._profile(spec)  # the simulator's shape table, shared on purpose
+    loads, weights = sim_trace.load_profile(spec)  # the simulator's shape table, shared on purpose
     return float(np.dot(loads, weights) / np.sum(weights))
 
 
@@ -123,7 +123,7 @@ def build(spec: str, capacity_rps: float, duration_s: float, *, seed: int = 0, s
     else:
         n = max(1, int(round(_mean_load(spec) * capacity_rps * duration_s)))
         tr = sim_trace.make_trace(spec, cap, requests=n, seed=seed)
-        loads, weights = sim_trace._profile(spec)
+        loads, weights = sim_trace.load_profile(spec)
         # trace.synthetic stretches the pieces so that n requests are expected: the same unit here.
         unit_s = n / (capacity_rps * float(np.dot(loads, weights)))
         nominal = _pieces(list(loads), list(weights), unit_s, capacity_rps)

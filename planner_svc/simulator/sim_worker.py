@@ -5,8 +5,14 @@ Per step (mirrors the engine): finish residency moves → admit queued requests 
 (tokens decoded at γ=0, and new prompts: the draft prefills what it has not seen) → draft γ
 passes + one target forward (decode rows, plus the new prompts' prefill rows) → accept (sampled)
 → emit → publish StepStats to the policy. verify_ms includes the prefill rows, as the engine's.
-Sequences live in one [5, max_batch] numpy array (request, remaining, context, draft lag,
-reserved), so a step costs a handful of numpy calls and finishing sequences is one compaction.
+Sequences live in one [5, max_batch] numpy array, so a step costs a handful of numpy calls and
+finishing sequences is one compaction. Every decode step emits at least one token per live
+sequence, so the rows hold values relative to two worker counters and a γ=0 step touches no
+array: true remaining = REM − ``ticks`` (decode steps so far; a speculative step also
+subtracts the accepted tokens), true draft lag = LAG + ``zero_run`` (γ=0 steps since the draft
+last caught up). The context is TOTAL − remaining (prompt + output is fixed per request). A lower
+bound on the remaining tokens (``rem_floor``) says when a sequence may have finished, so most
+steps skip the finish check.
 
 KV model: a request reserves prompt + output + γmax lookahead tokens on admission (no
 preemption). Offloading the draft grows the pool by ``draft_kv_share`` after ``offload_ms``;
@@ -16,17 +22,40 @@ reloading waits until the used KV fits the smaller pool, shrinks it, and specula
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 import numpy as np
 
 from nightjar.messages import StepStats
-from planner_svc.policies.base import OFFLOADED, RESIDENT, Context, GammaPolicy
+from planner_svc.policies.base import OFFLOADED, RESIDENT
 from planner_svc.simulator.acceptance_process import AcceptanceProcess
 from planner_svc.simulator.cost_surface import CostSurface
+from planner_svc.simulator.policy_calls import PolicyCalls
 
 
-REQ, REM, CTX, LAG, RESV = range(5)  # rows of SimWorker.seq
+REQ, REM, TOTAL, LAG, RESV = range(5)  # rows of SimWorker.seq (REM and LAG relative: see above)
+NO_FLOOR = 1 << 62  # rem_floor with no live sequence
+_STATS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(StepStats) if f.default is not dataclasses.MISSING}
+_STATS_FACTORIES = {f.name: f.default_factory for f in dataclasses.fields(StepStats)
+                    if f.default_factory is not dataclasses.MISSING}
+assert not hasattr(StepStats, "__post_init__")  # step_stats skips __init__: sound while it checks nothing
+
+
+def step_stats(**values: object) -> StepStats:
+    """The StepStats that ``StepStats(**values)`` builds, at a third of the cost.
+
+    Its generated ``__init__`` validates nothing and sets each of ~20 frozen fields through
+    ``object.__setattr__``; filling the instance dict directly gives an equal record, and the
+    simulator builds one per step. Fields not given take their declared defaults.
+    """
+    stats = object.__new__(StepStats)
+    fields = stats.__dict__
+    fields.update(_STATS_DEFAULTS)
+    for name, factory in _STATS_FACTORIES.items():
+        fields[name] = factory()
+    fields.update(values)
+    return stats
 
 
 class UniformBuffer:
@@ -34,16 +63,27 @@ class UniformBuffer:
 
     def __init__(self, rng: np.random.Generator, size: int = 1 << 16) -> None:
         self.rng, self.size = rng, size
-        self.buf = rng.random(size)
+        self._refill(size)
+
+    def _refill(self, n: int) -> None:
+        self.buf = self.rng.random(n)
+        self.floats = self.buf.tolist()  # the same draws as Python floats: scalar reads stay cheap
         self.pos = 0
 
     def take(self, n: int) -> np.ndarray:
         if self.pos + n > self.size:
-            self.buf = self.rng.random(max(self.size, n))
-            self.pos = 0
+            self._refill(max(self.size, n))
         out = self.buf[self.pos: self.pos + n]
         self.pos += n
         return out
+
+    def pair(self) -> tuple[float, float]:
+        """The next two draws, as ``take(2)`` would give them."""
+        if self.pos + 2 > self.size:
+            self._refill(max(self.size, 2))
+        pos = self.pos
+        self.pos = pos + 2
+        return self.floats[pos], self.floats[pos + 1]
 
 
 class SimWorker:
@@ -59,7 +99,12 @@ class SimWorker:
         self.pool = kv_tokens
         self.clock = 0.0
         self.n = 0  # live sequences
-        self.seq = np.zeros((5, max_batch), dtype=np.int64)  # rows REQ, REM, CTX, LAG, RESV
+        self.seq = np.zeros((5, max_batch), dtype=np.int64)  # rows REQ, REM, TOTAL, LAG, RESV
+        self.rem, self.lag_row = self.seq[REM], self.seq[LAG]  # [max_batch] views: cheaper to slice
+        self.ticks = 0  # decode steps so far: true remaining = REM - ticks
+        self.zero_run = 0  # γ=0 steps since the draft caught up: true lag = LAG + zero_run
+        self.lag_zero = True  # every live sequence's true draft lag is 0
+        self.rem_floor = NO_FLOOR  # <= every live sequence's true remaining tokens
         self.reserved = 0
         self.residency = RESIDENT  # resident | offloading | offloaded | reloading
         self.move_done_ms = 0.0
@@ -74,6 +119,10 @@ class SimWorker:
     def draft_ready(self) -> bool:
         return self.residency == RESIDENT
 
+    def remaining(self) -> np.ndarray:
+        """True remaining tokens of the live sequences, [n]."""
+        return self.seq[REM, : self.n] - self.ticks
+
     def _residency_tick(self, now: float) -> None:
         if self.residency == "offloading" and now >= self.move_done_ms:
             self.residency, self.pool = OFFLOADED, self.big_pool
@@ -82,7 +131,10 @@ class SimWorker:
             self.reload_wanted = False
         elif self.residency == "reloading" and now >= self.move_done_ms:
             self.residency = RESIDENT
-            self.seq[LAG, : self.n] = self.seq[CTX, : self.n]  # the draft's KV was dropped: rebuild it all
+            # The draft's KV was dropped: its lag is the whole context, TOTAL - remaining.
+            n = self.n
+            self.seq[LAG, :n] = self.seq[TOTAL, :n] - self.remaining() - self.zero_run
+            self.lag_zero = n == 0
 
     def direct(self, residency: str, now: float) -> None:
         if residency == OFFLOADED and self.residency == RESIDENT:
@@ -92,7 +144,7 @@ class SimWorker:
             self.reload_wanted = True
             self.reloads += 1
 
-    def step(self, queue: deque, prompt: list[int], output: list[int], policy: GammaPolicy,
+    def step(self, queue: deque, prompt: list[int], output: list[int], policy: PolicyCalls,
              uniforms: UniformBuffer, noise: float, first_token_ms: np.ndarray, done_ms: np.ndarray) -> bool:
         """Run one step at ``self.clock``; False when there is nothing to do (caller advances time)."""
         now = self.clock
@@ -102,6 +154,7 @@ class SimWorker:
         surface = self.surface
         # admit: FCFS while there is a batch slot and KV room (not while a reload waits to fit)
         new = []
+        prefill_tokens = 0
         if queue and not self.reload_wanted:
             slots = self.max_batch - n
             while queue and len(new) < slots:
@@ -112,6 +165,7 @@ class SimWorker:
                 queue.popleft()
                 self.reserved += need
                 new.append(r)
+                prefill_tokens += prompt[r]
         if n == 0 and not new:
             return False
         gamma = 0
@@ -121,49 +175,62 @@ class SimWorker:
         seq = self.seq
         if n:
             if self.residency == RESIDENT:
-                gamma = min(policy.select(Context(n, self.id)).gamma, self.gamma_max)
+                gamma = min(policy.gamma(n, self.id), self.gamma_max)
             draft_ms = surface.draft_ms[n][gamma]
             verify_ms = surface.verify_ms[n][gamma]
             if noise:
-                f = uniforms.take(2)
-                draft_ms *= 1.0 + noise * (2.0 * f[0] - 1.0)
-                verify_ms *= 1.0 + noise * (2.0 * f[1] - 1.0)
-            live = seq[:, :n]  # [5, n] view
+                f0, f1 = uniforms.pair()
+                draft_ms *= 1.0 + noise * (2.0 * f0 - 1.0)
+                verify_ms *= 1.0 + noise * (2.0 * f1 - 1.0)
             if gamma:
-                catchup_tokens = int(live[LAG].sum())
-                if catchup_tokens:
-                    catchup_ms = surface.catchup_ms_fixed + surface.catchup_ms_per_token * catchup_tokens
-                    live[LAG] = 0
-                got = np.searchsorted(self.acceptance.cdf[gamma], uniforms.take(n), side="right")  # [n] in 0..γ
-                counts = np.bincount(got, minlength=gamma + 1)  # [γ+1]
-                accepted = tuple((n - np.cumsum(counts[:-1])).tolist())  # sequences accepting position i
-                out = np.minimum(got + 1, live[REM])
-                emitted = int(out.sum())
-            else:
-                out = np.minimum(live[REM], 1)
-                emitted = int(out.sum())
-                live[LAG] += out
-            live[REM] -= out
-            live[CTX] += out
+                if not self.lag_zero:  # the draft catches up on what it has not seen
+                    catchup_tokens = int(self.lag_row[:n].sum()) + n * self.zero_run
+                    if catchup_tokens:
+                        catchup_ms = surface.catchup_ms_fixed + surface.catchup_ms_per_token * catchup_tokens
+                    self.lag_row[:n] = 0
+                    self.zero_run = 0
+                    self.lag_zero = True
+                got = self.acceptance.cdf[gamma].searchsorted(uniforms.take(n), side="right")  # [n] in 0..γ
+                if policy.learns:  # what StepStats reports; a policy that learns nothing never reads it
+                    counts = np.bincount(got, minlength=gamma + 1).tolist()  # [γ+1]
+                    left, acc = n, []
+                    for c in counts[:-1]:  # sequences accepting position i: those with got > i
+                        left -= c
+                        acc.append(left)
+                    accepted = tuple(acc)
+                    if self.rem_floor > gamma:
+                        emitted = n + sum(acc)  # no sequence overshoots its end: Σ got = Σ accepted
+                    else:
+                        emitted = int(np.minimum(got + 1, self.remaining()).sum())
+                self.rem[:n] -= got  # the bonus token of every sequence is the tick below
+                self.rem_floor -= gamma + 1
+            else:  # every live sequence has >= 1 token left: each emits one, the draft falls behind
+                emitted = n
+                self.zero_run += 1
+                self.rem_floor -= 1
+                self.lag_zero = False
+            self.ticks += 1
             if gamma != self.last_gamma:
                 self.switches += self.last_gamma >= 0
                 self.last_gamma = gamma
-        prefill_tokens = sum(prompt[r] for r in new)
         # New prompts ride in the same target forward as the decode rows (as in the engine), so
         # their time is part of verify_ms; the draft sees them at its next speculative step.
-        verify_ms += surface.prefill_ms_per_token * prefill_tokens
+        if prefill_tokens:
+            verify_ms += surface.prefill_ms_per_token * prefill_tokens
         step_ms = draft_ms + verify_ms + catchup_ms
         end = now + step_ms
         self.clock = end
-        if n:
-            finished = seq[REM, :n] <= 0
-            if finished.any():
+        if n and self.rem_floor <= 0:  # some sequence may have finished
+            rem = self.rem[:n]
+            if int(rem.min()) <= self.ticks:
+                finished = rem <= self.ticks
                 done = seq[:, :n][:, finished]  # [5, f]
                 done_ms[done[REQ]] = end
                 self.reserved -= int(done[RESV].sum())
                 keep = seq[:, :n][:, ~finished]  # [5, k]
-                n = keep.shape[1]
+                n = self.n = keep.shape[1]
                 seq[:, :n] = keep
+            self.rem_floor = int(self.rem[:n].min()) - self.ticks if n else NO_FLOOR
         for r in new:
             first_token_ms[r] = end
             left = output[r] - 1
@@ -172,17 +239,22 @@ class SimWorker:
                 done_ms[r] = end
                 self.reserved -= need
                 continue
-            seq[:, n] = (r, left, prompt[r] + 1, prompt[r] + 1, need)  # draft lag: the whole prompt
+            # draft lag: the whole prompt (the draft has not seen it)
+            seq[:, n] = (r, left + self.ticks, prompt[r] + output[r], prompt[r] + 1 - self.zero_run, need)
             n += 1
+            self.lag_zero = False
+            self.rem_floor = min(self.rem_floor, left)
         self.n = n
         if batch:  # a prefill-only step carries no decode measurement
             self.step_no += 1
-            policy.update(StepStats(
-                worker_id=self.id, step=self.step_no, unix_ms=int(end), batch_size=batch, gamma=gamma,
-                draft_ms=draft_ms, verify_ms=verify_ms, step_ms=step_ms, accepted_per_position=accepted,
-                emitted_tokens=emitted, prefill_tokens=prefill_tokens, catchup_tokens=catchup_tokens,
-                catchup_ms=catchup_ms, kv_blocks_used=-(-self.reserved // self.block_tokens),
-                kv_blocks_free=max(self.pool - self.reserved, 0) // self.block_tokens, waiting=len(queue),
-                draft_residency=self.residency))
-            self.direct(policy.residency_for(self.id), end)
+            if policy.learns:
+                policy.update(step_stats(
+                    worker_id=self.id, step=self.step_no, unix_ms=int(end), batch_size=batch, gamma=gamma,
+                    draft_ms=draft_ms, verify_ms=verify_ms, step_ms=step_ms, accepted_per_position=accepted,
+                    emitted_tokens=emitted, prefill_tokens=prefill_tokens, catchup_tokens=catchup_tokens,
+                    catchup_ms=catchup_ms, kv_blocks_used=-(-self.reserved // self.block_tokens),
+                    kv_blocks_free=max(self.pool - self.reserved, 0) // self.block_tokens, waiting=len(queue),
+                    draft_residency=self.residency))
+            if policy.directs:
+                self.direct(policy.residency_for(self.id), end)
         return True

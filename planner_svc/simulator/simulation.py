@@ -8,6 +8,8 @@ worker jumps to the next arrival.
 
 from __future__ import annotations
 
+import math
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -16,6 +18,7 @@ import numpy as np
 from planner_svc.policies.base import GammaPolicy
 from planner_svc.simulator.acceptance_process import DEFAULT_ALPHAS, AcceptanceProcess
 from planner_svc.simulator.cost_surface import CostSurface
+from planner_svc.simulator.policy_calls import PolicyCalls
 from planner_svc.simulator.sim_worker import SimWorker, UniformBuffer
 from planner_svc.simulator.trace import Trace
 
@@ -98,7 +101,7 @@ def simulate(trace: Trace, policy: GammaPolicy, surface: CostSurface, config: Si
                          kv_tokens=config.kv_tokens, draft_kv_share=config.draft_kv_share,
                          block_tokens=config.block_tokens, offload_ms=config.offload_ms,
                          reload_ms=config.reload_ms, gamma_max=config.gamma_max) for i in range(config.workers)]
-    arrivals = trace.arrival_ms
+    arrivals = trace.arrival_ms.tolist()  # list: fast scalar reads
     # A request longer than one worker's pool could never be admitted: clip it to fit.
     output_arr = np.minimum(trace.output_tokens, config.kv_tokens - trace.prompt_tokens - config.gamma_max).clip(1)
     prompt, output = trace.prompt_tokens.tolist(), output_arr.tolist()  # lists: fast scalar reads
@@ -108,28 +111,32 @@ def simulate(trace: Trace, policy: GammaPolicy, surface: CostSurface, config: Si
     done = np.full(total, np.nan)
     queue: deque[int] = deque()
     nxt = 0
+    calls = PolicyCalls(policy)
+    noise, single = config.noise, len(workers) == 1
+    by_clock = operator.attrgetter("clock")
     for w in workers:
-        w.clock = float(arrivals[0])
+        w.clock = arrivals[0]
     while True:
-        w = min(workers, key=lambda x: x.clock) if len(workers) > 1 else workers[0]
-        if w.clock == np.inf:
+        w = workers[0] if single else min(workers, key=by_clock)
+        now = w.clock
+        if now == math.inf:
             break
-        while nxt < total and arrivals[nxt] <= w.clock:
+        while nxt < total and arrivals[nxt] <= now:
             queue.append(nxt)
             nxt += 1
-        if not w.step(queue, prompt, output, policy, uniforms, config.noise, first, done):
+        if not w.step(queue, prompt, output, calls, uniforms, noise, first, done):
             if nxt < total:
-                w.clock = max(w.clock, float(arrivals[nxt]))
+                w.clock = max(now, arrivals[nxt])
             elif queue:
                 w.clock += 1.0  # cannot happen with a sane pool; never spin on the same instant
             else:
-                w.clock = np.inf  # nothing left for this worker
+                w.clock = math.inf  # nothing left for this worker
     assert not np.isnan(done).any()  # every request finished
     return SimResult(
         trace=trace.name, policy=policy.name, requests=total, output_tokens=int(output_arr.sum()),
         makespan_ms=float(done.max() - arrivals[0]), steps=sum(w.step_no for w in workers),
         switches=sum(w.switches for w in workers), offloads=sum(w.offloads for w in workers),
-        reloads=sum(w.reloads for w in workers), latency_ms=done - arrivals, ttft_ms=first - arrivals)
+        reloads=sum(w.reloads for w in workers), latency_ms=done - trace.arrival_ms, ttft_ms=first - trace.arrival_ms)
 
 
 def trace_for(shape: str, surface: CostSurface, config: SimConfig = SimConfig(), *, requests: int = 2000,

@@ -65,7 +65,7 @@ def piecewise_poisson(rng: np.random.Generator, rates_rps: list[float], duration
     return np.concatenate(out) * 1000.0
 
 
-def _profile(shape: str) -> tuple[list[float], list[float]]:
+def load_profile(shape: str) -> tuple[list[float], list[float]]:
     """Load (× capacity) per piece and the pieces' relative durations."""
     if shape.startswith("poisson:"):
         try:
@@ -91,7 +91,7 @@ CapacityFn = Callable[[float, float], float]  # (mean prompt, mean output) -> re
 
 def synthetic(shape: str, capacity: CapacityFn, requests: int = 2000, seed: int = 0) -> Trace:
     rng = np.random.default_rng(seed)
-    loads, weights = _profile(shape)
+    loads, weights = load_profile(shape)
     prompt, output = synthetic_lengths(rng, 4 * requests)
     capacity_rps = capacity(float(prompt.mean()), float(output.mean()))
     # Stretch the pieces so the expected number of requests is ``requests``.
