@@ -136,11 +136,11 @@ def test_nightjar_ignores_malformed_stats():
 
 
 def _pressure(controller: ResidencyController, n: int, *, full: bool, waiting: int, batch: int = 40,
-              gamma_wanted: int = 0, gain: float = 0.0, residency: str = RESIDENT) -> None:
+              gamma_wanted: int = 0, gain: float = 0.0, batching: float = 0.1, residency: str = RESIDENT) -> None:
     for _ in range(n):
         used, free = (95, 5) if full else (20, 80)
         controller.observe(stats(batch, 0, used=used, free=free, waiting=waiting, residency=residency),
-                           lambda b: gamma_wanted, lambda b: gain, 0.01)
+                           lambda b: gamma_wanted, lambda b: gain, lambda b, b2: batching, 0.01)
 
 
 def test_offload_needs_sustained_pressure_and_gamma_zero():
@@ -156,6 +156,35 @@ def test_offload_needs_sustained_pressure_and_gamma_zero():
     assert ctl.directive("w0") == RESIDENT
     _pressure(ctl, 200, full=True, waiting=3, gamma_wanted=0)
     assert ctl.directive("w0") == OFFLOADED
+
+
+def test_no_offload_where_a_bigger_batch_buys_no_throughput():
+    """Compute-bound steps: the freed KV would only trade queueing for slower decoding."""
+    ctl = ResidencyController(ResidencySettings(min_dwell_steps=100))
+    _pressure(ctl, 300, full=True, waiting=3, batching=0.0)
+    assert ctl.directive("w0") == RESIDENT
+    _pressure(ctl, 300, full=True, waiting=3, batching=0.05)
+    assert ctl.directive("w0") == OFFLOADED
+
+
+def test_no_offload_where_speculation_pays_at_the_grown_batch():
+    """γ=0 at B but γ>0 at the batch the freed KV admits: the offload would be reloaded at once."""
+    ctl = ResidencyController(ResidencySettings(min_dwell_steps=100))
+    for _ in range(300):
+        ctl.observe(stats(40, 0, used=95, free=5, waiting=30), lambda b: 0, lambda b: 0.0 if b <= 40 else 0.3,
+                    lambda b, b2: 0.1, 0.01)
+    assert ctl.directive("w0") == RESIDENT
+
+
+def test_batching_gain_follows_the_roofline():
+    policy = make_policy("nightjar", gamma_max=2)
+    assert isinstance(policy, NightjarPolicy)
+    for b in (1, 2, 4, 8, 16, 32, 64):  # memory-bound up to 16 tokens, compute-bound after
+        for _ in range(4):
+            policy.update(stats(b, 0, verify_ms=1.0 + max(4.0, 0.25 * b)))
+    assert policy.batching_gain(4, 8) > 0.5  # flat step time: twice the batch, ~twice the tokens/s
+    assert abs(policy.batching_gain(40, 60)) < 0.05  # compute-bound: nothing to gain
+    assert policy.batching_gain(8, 8) == 0.0
 
 
 def test_reload_needs_calm_fit_and_gain_with_dwell():

@@ -170,7 +170,6 @@ class NightjarPolicy(GammaPolicy):
         """Predicted ms per emitted token of every arm in one bucket, shape [γmax+1]."""
         tl = self.timelines[bucket]
         sizes, weights = tl.support()
-        sizes, weights = tl.support()
         step = weights @ self.cost.step_ms(sizes, self.gamma_max) + tl.catchup_per_step()  # [G+1]
         tokens = float(weights @ sizes) * np.asarray(self.acceptance.expected_tokens())  # [G+1]
         return step / tokens
@@ -181,6 +180,13 @@ class NightjarPolicy(GammaPolicy):
             return 0.0
         loss = self.losses(bucket_index(self.buckets, batch_size))
         return float(max(0.0, 1.0 - loss.min() / loss[0]))
+
+    def batching_gain(self, batch_size: int, larger: int) -> float:
+        """Predicted fractional rise in γ=0 tokens/s from running ``larger`` sequences instead."""
+        if not self.cost.ready or larger <= batch_size:
+            return 0.0
+        t = self.cost.step_ms(np.array([batch_size, larger]), 0)[:, 0]  # [2] ms per γ=0 step
+        return float(larger / max(t[1], 1e-9) / (batch_size / max(t[0], 1e-9)) - 1.0)
 
     # --- update --------------------------------------------------------------------------------
     def update(self, stats: StepStats) -> None:
@@ -221,7 +227,8 @@ class NightjarPolicy(GammaPolicy):
         if tl.steps_left <= 0:
             self._end_bin(tl, bucket_index(self.buckets, b))
         if self.settings.offload:
-            self.residency_ctl.observe(stats, self.gamma_for, self.gain, self.cost.catchup_ms_per_token())
+            self.residency_ctl.observe(stats, self.gamma_for, self.gain, self.batching_gain,
+                                       self.cost.catchup_ms_per_token())
 
     def _end_bin(self, tl: _Timeline, bucket: int) -> None:
         s = self.settings

@@ -4,13 +4,19 @@ Pressure of a step = (requests waiting) and (KV used / KV total >= kv_full_fract
 worker keeps an exponential average p of it. With hysteresis and a minimum dwell:
 
     offload  if resident  and p >= offload_above and γ wanted at its batch size == 0
-             and gain <= offload_max_gain
+             and gain(B) <= offload_max_gain and gain(B') <= offload_max_gain
+             and batching gain(B → B') >= offload_min_batching_gain
     reload   if offloaded and p <= reload_below  and used KV fits in reload_fit · resident pool
              and gain · horizon_ms > reload_cost_ms + catch-up ms of its live tokens,
              or, pressure or not, if gain >= reload_gain_under_pressure (a mistaken offload)
 
 where gain = 1 − L(γ*)/L(0) is the policy's predicted speed-up of speculation at the worker's
-batch size. Both moves wait ``min_dwell_steps`` after the previous one, so it cannot flap.
+batch size, and the batching gain is the predicted rise in γ=0 tokens/s from B to the batch B'
+the freed memory admits (B' = min(B·growth, B + waiting), growth = KV pool offloaded / resident,
+measured after the first offload, from the worker's memory parts before it). Where the step is
+compute-bound a bigger batch buys no throughput: it only moves waiting time into slower decoding
+for everyone, so the draft stays. And where speculation would pay again at B' (the next bucket
+up learned a γ > 0) the offload would be reloaded as soon as the batch grew: a flap. Both moves wait ``min_dwell_steps`` after the previous one, so it cannot flap.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ class ResidencySettings:
     pressure_smoothing: float = 0.02  # EMA weight per step: pressure must last ~1/this steps
     offload_above: float = 0.8
     offload_max_gain: float = 0.02  # offload only if speculation is predicted to gain <= 2% here
+    offload_min_batching_gain: float = 0.02  # ... and the bigger batch to raise γ=0 tokens/s >= 2%
+    kv_growth_prior: float = 1.5  # KV pool offloaded / resident before anything says otherwise
     reload_gain_under_pressure: float = 0.15  # ... and reload regardless of pressure above 15%
     reload_below: float = 0.2
     min_dwell_steps: int = 300
@@ -45,6 +53,8 @@ class ResidencySettings:
             raise ValueError("need 0 <= offload_max_gain < reload_gain_under_pressure (the hysteresis band)")
         if not 0 <= self.reload_below < self.offload_above <= 1:
             raise ValueError("need 0 <= reload_below < offload_above <= 1 (the hysteresis band)")
+        if self.kv_growth_prior < 1:
+            raise ValueError(f"kv_growth_prior must be >= 1, got {self.kv_growth_prior}")
         if self.min_dwell_steps < 0 or self.block_tokens < 1:
             raise ValueError("min_dwell_steps must be >= 0 and block_tokens >= 1")
 
@@ -55,6 +65,7 @@ class _WorkerState:
     pressure: float = 0.0
     steps_since_change: int = 1 << 30
     resident_kv_total: int = 0  # KV blocks the worker had while the draft was resident
+    offloaded_kv_total: int = 0  # ... and while it was offloaded
     offloads: int = 0
     reloads: int = 0
 
@@ -68,8 +79,8 @@ class ResidencyController:
         state = self.workers.get(worker_id)
         return state.residency if state else RESIDENT
 
-    def observe(self, stats: StepStats, gamma_wanted: Callable[[int], int],
-                gain: Callable[[int], float], catchup_ms_per_token: float) -> None:
+    def observe(self, stats: StepStats, gamma_wanted: Callable[[int], int], gain: Callable[[int], float],
+                batching_gain: Callable[[int, int], float], catchup_ms_per_token: float) -> None:
         s = self.settings
         w = self.workers.setdefault(stats.worker_id, _WorkerState())
         total = stats.kv_blocks_used + stats.kv_blocks_free
@@ -78,13 +89,18 @@ class ResidencyController:
         w.steps_since_change += 1
         if stats.draft_residency == RESIDENT and total > 0:
             w.resident_kv_total = total
+        elif stats.draft_residency == OFFLOADED and total > 0:
+            w.offloaded_kv_total = total
         if w.steps_since_change < s.min_dwell_steps:
             return
         if w.residency == RESIDENT:
             # γ in force is 0 *and* the model sees nothing to gain from speculating at this
             # batch size: a stale or exploring table must not push the draft out while it pays.
-            if (w.pressure >= s.offload_above and gamma_wanted(stats.batch_size) == 0
-                    and gain(stats.batch_size) <= s.offload_max_gain):
+            b = stats.batch_size
+            if w.pressure >= s.offload_above and gamma_wanted(b) == 0 and gain(b) <= s.offload_max_gain:
+                grown = self._grown_batch(w, stats)
+                if gain(grown) > s.offload_max_gain or batching_gain(b, grown) < s.offload_min_batching_gain:
+                    return
                 w.residency, w.steps_since_change = OFFLOADED, 0
                 w.offloads += 1
             return
@@ -105,12 +121,24 @@ class ResidencyController:
             w.residency, w.steps_since_change = RESIDENT, 0
             w.reloads += 1
 
+    def _grown_batch(self, w: _WorkerState, stats: StepStats) -> int:
+        """The batch the worker could run with the draft's memory handed to the KV cache."""
+        if w.resident_kv_total and w.offloaded_kv_total:
+            growth = w.offloaded_kv_total / w.resident_kv_total
+        else:
+            m = stats.memory_bytes
+            kv = m.get("target_kv", 0) + m.get("draft_kv", 0)
+            growth = 1 + m["draft_weights"] / kv if kv and m.get("draft_weights") else self.settings.kv_growth_prior
+        b = stats.batch_size
+        return min(max(b, round(b * growth)), b + stats.waiting)
+
     def state_dict(self) -> dict[str, Any]:
         return {wid: [w.residency, w.pressure, min(w.steps_since_change, 1 << 30), w.resident_kv_total,
-                      w.offloads, w.reloads] for wid, w in self.workers.items()}
+                      w.offloads, w.reloads, w.offloaded_kv_total] for wid, w in self.workers.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for wid, row in state.items():
-            if isinstance(row, list) and len(row) == 6 and row[0] in (RESIDENT, OFFLOADED):
+            # 6 fields: state saved before offloaded_kv_total existed.
+            if isinstance(row, list) and len(row) in (6, 7) and row[0] in (RESIDENT, OFFLOADED):
                 self.workers[str(wid)] = _WorkerState(str(row[0]), float(row[1]), int(row[2]), int(row[3]),
-                                                      int(row[4]), int(row[5]))
+                                                      int(row[6]) if len(row) == 7 else 0, int(row[4]), int(row[5]))
