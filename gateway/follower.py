@@ -22,6 +22,7 @@ class RequestQueue:
         self._reader = reader
         self._cancel_ttl_ms = int(cancel_ttl_s * 1000)
         self._background: set[asyncio.Task] = set()
+        self._forget: list[str] = []  # output streams of finished requests, deleted together
 
     async def enqueue(self, job: Job) -> None:
         # No MAXLEN: trimming would silently drop queued requests; the cap is enforced at
@@ -29,18 +30,30 @@ class RequestQueue:
         # see gateway/output_reader.py for why a handler never awaits a redis-py call directly.
         await asyncio.shield(self._redis.xadd(self._keys.requests, {b"job": job.encode()}))
 
-    async def outputs(self, request_id: str) -> AsyncIterator[OutputChunk]:
+    async def outputs(self, request_id: str) -> AsyncIterator[list[OutputChunk]]:
         """Every chunk written to the request's output stream, in order, until a final one
-        (read by the gateway's one OutputReader; see there why handlers wait on a queue)."""
+        (read by the gateway's one OutputReader; see there why handlers wait on a queue).
+
+        Yields every chunk already waiting as one batch: a handler that fell behind the engine
+        sends them as one response instead of one gRPC message each (the messages, not the
+        tokens, are what cost the gateway and the client CPU)."""
         stream = self._keys.output(request_id)
         queue = await self._reader.register(stream)
+        failure: BaseException | None = None  # met while batching: raised after the chunks before it
         try:
             while True:
-                item = await queue.get()
+                item = failure if failure is not None else await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                yield item
-                if item.finish_reason is not None:
+                batch = [item]
+                while batch[-1].finish_reason is None and not queue.empty():
+                    item = queue.get_nowait()
+                    if isinstance(item, BaseException):
+                        failure = item
+                        break
+                    batch.append(item)
+                yield batch
+                if batch[-1].finish_reason is not None:
                     return
         finally:
             self._reader.unregister(stream)
@@ -56,10 +69,23 @@ class RequestQueue:
         task.add_done_callback(self._background.discard)
 
     def forget_soon(self, request_id: str) -> None:
-        """The final chunk was read: the output stream is no longer needed."""
-        task = asyncio.get_running_loop().create_task(self._redis.delete(self._keys.output(request_id)))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        """The final chunk was read: the output stream is no longer needed.
+
+        Streams that end together (a batch finishes in the same engine step) go in one DEL,
+        sent once the handlers of this loop turn have all asked."""
+        self._forget.append(self._keys.output(request_id))
+        if len(self._forget) == 1:
+            task = asyncio.get_running_loop().create_task(self._forget_all())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _forget_all(self) -> None:
+        await asyncio.sleep(0.01)  # no one waits on it: let the streams ending in the same step join
+        keys, self._forget = self._forget, []
+        try:
+            await self._redis.delete(*keys)
+        except Exception as exc:  # the streams expire on their own (TTL set with the final chunk)
+            log.warning("could not delete %d finished output streams: %s", len(keys), exc)
 
     async def _cancel(self, request_id: str, reason: str) -> None:
         try:

@@ -33,10 +33,13 @@ class OutputReader:
         self._in_read = False
         self._reader_id: int | None = None
         self._wake = asyncio.Event()
+        self._unblocking: asyncio.Future | None = None  # the CLIENT UNBLOCK in flight, if any
+        self._read_started: asyncio.Future | None = None  # resolved when the next XREAD is issued
         self._closed = False
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
+        self._read_started = asyncio.get_running_loop().create_future()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="gateway-output-reader")
 
     async def close(self) -> None:
@@ -53,11 +56,21 @@ class OutputReader:
         for _ in range(50):  # until the read in flight includes the stream (or none is in flight)
             if not self._in_read or stream in self._reading or self._reader_id is None:
                 break
+            started = self._read_started
+            # Registrations that arrive while an unblock is on its way share it: the reader
+            # rebuilds its cursors after the read ends, so one interrupt takes in all of them.
+            if self._unblocking is None or self._unblocking.done():
+                self._unblocking = asyncio.ensure_future(self._control.client_unblock(self._reader_id))
             try:
-                await asyncio.shield(self._control.client_unblock(self._reader_id))
+                await asyncio.shield(self._unblocking)
             except Exception:  # Redis trouble: the reader reports it to every queue
                 break
-            await asyncio.sleep(0.001)
+            # Wait for the next read rather than re-sending the unblock every millisecond; it is
+            # re-sent only if that read still lacks the stream (the unblock overtook the XREAD).
+            try:
+                await asyncio.wait_for(asyncio.shield(started), 0.01)
+            except TimeoutError:
+                pass
         return queue
 
     def unregister(self, stream: str) -> None:
@@ -74,6 +87,9 @@ class OutputReader:
                     self._reader_id = int(await self._reader.client_id())
                 cursors = {s: last for s, (last, _q) in self._streams.items()}
                 self._reading, self._in_read = frozenset(cursors), True
+                started, self._read_started = self._read_started, asyncio.get_running_loop().create_future()
+                if not started.done():
+                    started.set_result(None)
                 try:
                     reply = await self._reader.xread(cursors, block=self._block_ms, count=512)
                 finally:

