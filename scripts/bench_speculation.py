@@ -5,7 +5,7 @@
 
 For each batch size B: B held-out prompts are prefilled, then rounds of γ = 0..γmax blocks of
 --steps decode steps run in turn (round robin, so context growth and machine noise fall on
-every γ alike). The first step of each block is discarded from the step times (it carries the
+every γ alike); batches smaller than --min-prompts repeat this with the next prompts. The first step of each block is discarded from the step times (it carries the
 catch-up when γ was 0 before); the catch-ups are recorded separately and fitted as
 catchup_ms = fixed + per_token * tokens. Step time per cell = interquartile mean (the box is
 shared); tokens/s = mean tokens per step / that step time. Greedy decoding, EOS ignored.
@@ -33,13 +33,15 @@ from worker.config import EngineConfig  # noqa: E402
 from worker.engine import Engine, EngineRequest  # noqa: E402
 
 
-def prompts(tok, n: int, max_tokens: int) -> list[list[int]]:
+def prompts(tok, n: int, max_tokens: int, offset: int = 0) -> list[list[int]]:
     texts = [json.loads(x)["text"] for x in (ROOT / "models" / "prompts.jsonl").read_text().splitlines() if x.strip()]
-    return [tok(texts[i % len(texts)], add_special_tokens=False)["input_ids"][:max_tokens] or [1] for i in range(n)]
+    return [tok(texts[(offset + i) % len(texts)], add_special_tokens=False)["input_ids"][:max_tokens] or [1]
+            for i in range(n)]
 
 
-def measure_batch(eng: Engine, b: int, gammas: list[int], steps: int, rounds: int, prompt_tokens: int, temperature: float):
-    ps = prompts(eng.tokenizer, b, prompt_tokens)
+def measure_batch(eng: Engine, b: int, gammas: list[int], steps: int, rounds: int, prompt_tokens: int, temperature: float,
+                  offset: int = 0):
+    ps = prompts(eng.tokenizer, b, prompt_tokens, offset)
     params = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=temperature, seed=1)
     for i, p in enumerate(ps):
         eng.add_request(EngineRequest(f"s{b}-{i}", p, params))
@@ -103,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="measured steps per (γ, round)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--min-prompts", type=int, default=16,
+                    help="small batches repeat with the next prompts until this many were decoded: "
+                         "acceptance varies by prompt, and batch 1 would otherwise rest on one")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kv-mib", type=int, default=768, help="KV budget: 64 sequences must grow without preemption")
@@ -125,6 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     for b in batches:
         times, emitted, accepted, verified, catchups = measure_batch(
             eng, b, gammas, args.steps, args.rounds, args.prompt_tokens, args.temperature)
+        for k in range(1, -(-args.min_prompts // b)):  # more prompts for small batches, same cells
+            t2, e2, a2, v2, c2 = measure_batch(eng, b, gammas, args.steps, args.rounds, args.prompt_tokens,
+                                               args.temperature, offset=k * b)
+            for g in gammas:
+                times[g] += t2[g]
+                emitted[g] += e2[g]
+                verified[g] += v2[g]
+                accepted[g] = [x + y for x, y in zip(accepted[g], a2[g])]
+            catchups += c2
         all_catchups += catchups
         step_ms.append([iq_mean(times[g]) for g in gammas])
         # tokens per step (exact) over a noise-robust step time

@@ -91,8 +91,8 @@ class ResidencyController:
             w.resident_kv_total = total
         elif stats.draft_residency == OFFLOADED and total > 0:
             w.offloaded_kv_total = total
-        if w.steps_since_change < s.min_dwell_steps:
-            return
+        if w.steps_since_change < s.min_dwell_steps or w.steps_since_change % 16:
+            return  # both moves are slow decisions; checking every 16 steps keeps update() cheap
         if w.residency == RESIDENT:
             # γ in force is 0 *and* the model sees nothing to gain from speculating at this
             # batch size: a stale or exploring table must not push the draft out while it pays.
@@ -104,8 +104,6 @@ class ResidencyController:
                 w.residency, w.steps_since_change = OFFLOADED, 0
                 w.offloads += 1
             return
-        if w.steps_since_change % 16:
-            return  # reload is a slow decision; checking it every 16 steps keeps update() cheap
         if gain(stats.batch_size) >= s.reload_gain_under_pressure:
             # Speculation pays a lot even at this (larger) batch: the offload was a mistake or
             # the world changed; take the draft back even under pressure (the engine waits for
