@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from gateway.output_reader import OutputReader
 from nightjar.keys import Keys
-from nightjar.messages import Cancel, Job, MessageError, OutputChunk
+from nightjar.messages import Cancel, Job, OutputChunk
 
 log = logging.getLogger("gateway")
 

@@ -7,32 +7,16 @@ from dataclasses import fields
 import numpy as np
 
 from nightjar.messages import StepStats
-from planner_svc.policies import GammaPolicy, make_policy
+from planner_svc.policies import make_policy
 from planner_svc.simulator import SimConfig, roofline, simulate
 from planner_svc.simulator.policy_calls import PolicyCalls
 from planner_svc.simulator.sim_worker import UniformBuffer
 from planner_svc.simulator.trace import Trace, piecewise_poisson, synthetic_lengths
 
+from planner_support import Recorder
+
 GAMMA_MAX = 4
 SURFACE = roofline(GAMMA_MAX, 256)
-
-
-class Recorder(GammaPolicy):
-    """Delegates to a policy and keeps every StepStats it was fed (test-only)."""
-
-    def __init__(self, inner: GammaPolicy) -> None:
-        super().__init__(gamma_max=inner.gamma_max, buckets=inner.buckets)
-        self.inner, self.name, self.seen = inner, inner.name, []
-
-    def gamma_for(self, batch_size: int) -> int:
-        return self.inner.gamma_for(batch_size)
-
-    def residency_for(self, worker_id: str) -> str:
-        return self.inner.residency_for(worker_id)
-
-    def update(self, stats: StepStats) -> None:
-        self.seen.append(stats)
-        self.inner.update(stats)
 
 
 def _high_then_low(seed: int) -> Trace:

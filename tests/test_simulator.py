@@ -8,13 +8,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from nightjar.messages import StepStats
 from nightjar.paths import TRACES_DIR
-from planner_svc.policies import GammaPolicy, make_policy
-from planner_svc.policies.base import OFFLOADED, Context, Decision
+from planner_svc.policies import make_policy
+from planner_svc.policies.base import OFFLOADED
 from planner_svc.simulator import (AcceptanceProcess, SimConfig, load_table, oracle_policy, roofline, simulate,
                                    trace_for)
 from planner_svc.simulator.trace import Trace, piecewise_poisson, synthetic_lengths
+
+from planner_support import Recorder
 
 GAMMA_MAX = 4
 SURFACE = roofline(GAMMA_MAX, 256)
@@ -24,27 +25,6 @@ def closed_loop(n: int, seed: int) -> Trace:
     """Every request waiting at t=0: the worker runs at its max batch until the tail."""
     prompt, output = synthetic_lengths(np.random.default_rng(seed), n)
     return Trace("closed", np.zeros(n), prompt, output)
-
-
-class Recorder(GammaPolicy):
-    """Delegates to a policy and keeps every StepStats it was fed (test-only)."""
-
-    def __init__(self, inner: GammaPolicy) -> None:
-        super().__init__(gamma_max=inner.gamma_max, buckets=inner.buckets)
-        self.inner, self.name, self.seen = inner, inner.name, []
-
-    def gamma_for(self, batch_size: int) -> int:
-        return self.inner.gamma_for(batch_size)
-
-    def select(self, context: Context) -> Decision:
-        return self.inner.select(context)
-
-    def residency_for(self, worker_id: str) -> str:
-        return self.inner.residency_for(worker_id)
-
-    def update(self, stats: StepStats) -> None:
-        self.seen.append(stats)
-        self.inner.update(stats)
 
 
 def _vs_oracle(batch: int, noise: float) -> tuple[float, float]:

@@ -1,0 +1,28 @@
+"""Shared by the planner's simulator tests."""
+
+from __future__ import annotations
+
+from nightjar.messages import StepStats
+from planner_svc.policies import GammaPolicy
+from planner_svc.policies.base import Context, Decision
+
+
+class Recorder(GammaPolicy):
+    """Delegates to a policy and keeps every StepStats it was fed (test-only)."""
+
+    def __init__(self, inner: GammaPolicy) -> None:
+        super().__init__(gamma_max=inner.gamma_max, buckets=inner.buckets)
+        self.inner, self.name, self.seen = inner, inner.name, []
+
+    def gamma_for(self, batch_size: int) -> int:
+        return self.inner.gamma_for(batch_size)
+
+    def select(self, context: Context) -> Decision:
+        return self.inner.select(context)
+
+    def residency_for(self, worker_id: str) -> str:
+        return self.inner.residency_for(worker_id)
+
+    def update(self, stats: StepStats) -> None:
+        self.seen.append(stats)
+        self.inner.update(stats)
