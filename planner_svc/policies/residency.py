@@ -16,7 +16,10 @@ the freed memory admits (B' = min(B·growth, B + waiting), growth = KV pool offl
 measured after the first offload, from the worker's memory parts before it). Where the step is
 compute-bound a bigger batch buys no throughput: it only moves waiting time into slower decoding
 for everyone, so the draft stays. And where speculation would pay again at B' (the next bucket
-up learned a γ > 0) the offload would be reloaded as soon as the batch grew: a flap. Both moves wait ``min_dwell_steps`` after the previous one, so it cannot flap.
+up learned a γ > 0), the draft would be reloaded as soon as the batch grew.
+
+Both moves wait ``min_dwell_steps`` after the previous one and are checked every 16 steps, so
+the directive cannot flap.
 """
 
 from __future__ import annotations

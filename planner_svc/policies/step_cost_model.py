@@ -15,8 +15,8 @@ observation teaches every arm with the same token count. No offline profiling.
 
 r(B) is the part of a verify pass that grows with the number of sequences rather than tokens:
 attention reads each sequence's whole KV, and on a CPU engine the per-sequence bookkeeping
-shows too (measured, cpu_tiny.json: B=32 at γ=0 takes 72.7 ms, B=16 at γ=1 — the same 32
-tokens — 34.5 ms). Without it, v(32) averages the two and the model calls γ>0 dear at large
+shows too (two runs of scripts/bench_speculation.py on the shipped pair: B=32 at γ=0 took
+52–73 ms, B=16 at γ=1 — the same 32 tokens — 33–35 ms). Without it, v(32) averages the two and the model calls γ>0 dear at large
 batches where it is cheap. v and r are fitted together by backfitting one observation at a
 time: v(n) learns the step minus r(B), r(B) the step minus v(n). Between and beyond the batch
 sizes seen, r interpolates and stays flat.
