@@ -175,14 +175,15 @@ def test_broken_draft_raises_the_alarm_in_stats():
     seen = []
     try:
         run_all(eng, _reqs(prompts, n=40, ignore_eos=True), on_step=lambda e, s: seen.append(e.last_stats))
-        healthy_rate = eng.monitor.last_rate
+        # The alarm needs a healthy window first; the shipped pair gives one on these prompts
+        # (the last window alone can be weak: text after an ignored EOS is hard to draft).
+        was_healthy = eng.monitor.seen_healthy
         head.zero_()  # the "draft" now always proposes token 0: acceptance collapses
         run_all(eng, _reqs(prompts, n=60, ignore_eos=True), on_step=lambda e, s: seen.append(e.last_stats))
     finally:
         head.copy_(saved)
         eng.set_gamma_policy(lambda b: 0)
-    if healthy_rate is None or healthy_rate < 0.3:
-        pytest.skip(f"the draft is not healthy enough on these prompts (rate {healthy_rate}) to test a collapse")
+    assert was_healthy, "the shipped draft never reached a healthy acceptance window on these prompts"
     assert eng.last_stats.acceptance_alarm and eng.monitor.last_rate < 0.05
     eng.monitor.alarm = False
     eng.monitor.seen_healthy = False

@@ -14,7 +14,6 @@ Weights (see loader.fused_weights):
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 
@@ -77,9 +76,8 @@ class LlamaModel:
             out.extend(t for t in layer.values() if t is not None)
         return out
 
-    @functools.cached_property
+    @property
     def weight_bytes(self) -> int:
-        # Fixed at load (moves keep shapes and dtype); the engine reads it every step.
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def to_device(self, device: str | torch.device) -> None:
