@@ -150,7 +150,9 @@ class MemoryManager:
         self.mover = DraftMover(self.spec.runner.model) if self.spec is not None else None
         self.draft_bpb = self.spec.runner.kv.nbytes // self.spec.runner.kv.num_blocks if self.spec else 0
         draft = self.spec.runner.model if self.spec else None
-        weights = self.target.model.weight_bytes + (draft.weight_bytes if draft is not None else 0)
+        # The target's weights never move; summing ~100 tensor sizes on every step's snapshot did show.
+        self.target_weight_bytes = self.target.model.weight_bytes
+        weights = self.target_weight_bytes + (draft.weight_bytes if draft is not None else 0)
         # everything configured; block rounding leaves the pools a little under it
         self.budget = weights + kv_pool_bytes(cfg, self.target.model, draft) + self.workspace
         self.state = RESIDENT if self.spec is not None else NONE
@@ -170,7 +172,7 @@ class MemoryManager:
     def _measure(self) -> MemoryParts:
         return MemoryParts(
             budget=getattr(self, "budget", 0),
-            target_weights=self.target.model.weight_bytes,
+            target_weights=self.target_weight_bytes,
             draft_weights=self.mover.device_bytes if self.mover else 0,
             target_kv=self.target.kv.nbytes,
             draft_kv=self.spec.runner.kv.nbytes if self.spec else 0,
