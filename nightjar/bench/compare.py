@@ -192,14 +192,17 @@ async def probe_gamma(stack: Stack, cfg: CompareConfig, bank: PromptBank, gamma_
         await _publish(stack, g, version=1000 + g)
         await asyncio.sleep(1.5)  # the worker follows the policy channel; let it switch
         wl = _fixed_workload(1, 32, cfg.gamma_probe_tokens)
-        tps_runs = []
+        tps_runs, acc_runs = [], []
         for rep in range(3):
             res, steps = await run_on_stack(stack, wl, [bank.text(32, rng)], _quiet(cfg), f"γ={g}#{rep}")
             rec = res.records[0]
             if rec.ok and rec.itl_s:
                 tps_runs.append(1.0 / rec.itl_s)  # decode rate after the first token (no prefill, no queue)
+            if steps.get("acceptance") is not None:
+                acc_runs.append(steps["acceptance"])
         tps = float(np.median(tps_runs)) if tps_runs else 0.0
-        out["gamma_probe"][g] = {"tokens_per_s": tps, "acceptance": steps.get("acceptance"),
+        acceptance = float(np.mean(acc_runs)) if acc_runs else None  # all three requests, not the last one
+        out["gamma_probe"][g] = {"tokens_per_s": tps, "acceptance": acceptance,
                                  "spec_step_share": steps.get("spec_step_share"), "mean_batch": steps.get("mean_batch")}
         if g > 0 and not steps.get("spec_step_share"):
             out["notes"].append(f"γ={g} was published but no step ran with γ > 0: the worker did not follow the policy")
