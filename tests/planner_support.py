@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from nightjar.messages import StepStats
 from planner_svc.policies import GammaPolicy
 from planner_svc.policies.base import Context, Decision
+from planner_svc.simulator.trace import Trace, piecewise_poisson, synthetic_lengths
 
 
 class Recorder(GammaPolicy):
@@ -26,3 +29,11 @@ class Recorder(GammaPolicy):
     def update(self, stats: StepStats) -> None:
         self.seen.append(stats)
         self.inner.update(stats)
+
+
+def high_then_low(seed: int) -> Trace:
+    """~4x capacity for 20 s, then nearly idle for 60 s."""
+    rng = np.random.default_rng(seed)
+    arrivals = piecewise_poisson(rng, [60.0, 0.5], [20.0, 60.0])
+    prompt, output = synthetic_lengths(rng, len(arrivals))
+    return Trace("high-then-low", arrivals, prompt, output)

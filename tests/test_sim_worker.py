@@ -11,26 +11,18 @@ from planner_svc.policies import make_policy
 from planner_svc.simulator import SimConfig, roofline, simulate
 from planner_svc.simulator.policy_calls import PolicyCalls
 from planner_svc.simulator.sim_worker import UniformBuffer
-from planner_svc.simulator.trace import Trace, piecewise_poisson, synthetic_lengths
 
-from planner_support import Recorder
+from planner_support import Recorder, high_then_low
 
 GAMMA_MAX = 4
 SURFACE = roofline(GAMMA_MAX, 256)
-
-
-def _high_then_low(seed: int) -> Trace:
-    rng = np.random.default_rng(seed)
-    arrivals = piecewise_poisson(rng, [60.0, 0.5], [20.0, 60.0])  # ~4x capacity, then nearly idle
-    prompt, output = synthetic_lengths(rng, len(arrivals))
-    return Trace("high-then-low", arrivals, prompt, output)
 
 
 def test_records_are_whole_step_stats_and_every_token_is_counted_once():
     # Overload then idle: γ=0 runs (lazy rows), an offload, and a reload that rebuilds the draft's KV.
     config = SimConfig(gamma_max=GAMMA_MAX, noise=0.1)
     policy = Recorder(make_policy("nightjar", gamma_max=GAMMA_MAX))
-    result = simulate(_high_then_low(2), policy, SURFACE, config)
+    result = simulate(high_then_low(2), policy, SURFACE, config)
     seen = policy.seen
     assert result.offloads >= 1 and result.reloads >= 1
     assert any(s.gamma == 0 for s in seen) and any(s.gamma > 0 for s in seen)

@@ -13,9 +13,9 @@ from planner_svc.policies import make_policy
 from planner_svc.policies.base import OFFLOADED
 from planner_svc.simulator import (AcceptanceProcess, SimConfig, load_table, oracle_policy, roofline, simulate,
                                    trace_for)
-from planner_svc.simulator.trace import Trace, piecewise_poisson, synthetic_lengths
+from planner_svc.simulator.trace import Trace, synthetic_lengths
 
-from planner_support import Recorder
+from planner_support import Recorder, high_then_low
 
 GAMMA_MAX = 4
 SURFACE = roofline(GAMMA_MAX, 256)
@@ -71,17 +71,10 @@ def test_gamma_switches_are_bounded():
     assert result.switches_per_1000_steps < heuristic.switches_per_1000_steps / 3
 
 
-def _high_then_low(seed: int) -> Trace:
-    rng = np.random.default_rng(seed)
-    arrivals = piecewise_poisson(rng, [60.0, 0.5], [20.0, 60.0])  # ~4x capacity, then nearly idle
-    prompt, output = synthetic_lengths(rng, len(arrivals))
-    return Trace("high-then-low", arrivals, prompt, output)
-
-
 def test_speculation_resumes_soon_after_load_drops():
     config = SimConfig(gamma_max=GAMMA_MAX, max_batch=64)
     policy = Recorder(make_policy("nightjar", gamma_max=GAMMA_MAX, seed=1))
-    simulate(_high_then_low(0), policy, SURFACE, config)
+    simulate(high_then_low(0), policy, SURFACE, config)
     seen = policy.seen
     assert any(s.draft_residency == OFFLOADED for s in seen), "sustained overload should have offloaded the draft"
     high = [i for i, s in enumerate(seen) if s.batch_size >= 32]
@@ -99,7 +92,7 @@ def test_offload_only_under_sustained_pressure():
                     make_policy("nightjar", gamma_max=GAMMA_MAX), SURFACE, config)
     assert calm.offloads == 0
     policy = Recorder(make_policy("nightjar", gamma_max=GAMMA_MAX))
-    simulate(_high_then_low(2), policy, SURFACE, config)
+    simulate(high_then_low(2), policy, SURFACE, config)
     seen = policy.seen
     starts = [i for i in range(1, len(seen)) if seen[i].draft_residency == "offloading"
               and seen[i - 1].draft_residency == "resident"]
@@ -108,7 +101,7 @@ def test_offload_only_under_sustained_pressure():
         window = seen[max(0, i - 60): i]  # the pressure average needs ~80 steps to pass 0.8
         pressured = [s.waiting > 0 and s.kv_blocks_used >= 0.9 * (s.kv_blocks_used + s.kv_blocks_free) for s in window]
         assert len(window) == 60 and np.mean(pressured) >= 0.9 and window[-1].gamma == 0
-    nooffload = simulate(_high_then_low(2), make_policy("nightjar-nooffload", gamma_max=GAMMA_MAX), SURFACE, config)
+    nooffload = simulate(high_then_low(2), make_policy("nightjar-nooffload", gamma_max=GAMMA_MAX), SURFACE, config)
     assert nooffload.offloads == 0
 
 
