@@ -59,7 +59,10 @@ class FakeInference(pb_grpc.InferenceServiceServicer):
             await asyncio.sleep(float(arg))
         if kind == "echo":
             rest = arg + (" " + rest if rest else "")
-        words = rest.split() if kind in ("echo", "unavailable", "exhausted", "break-after", "slow") else []
+        words = rest.split() if kind in ("echo", "unavailable", "exhausted", "break-after", "slow", "drip") else []
+        # drip:<s> waits that long between tokens, so a client that stops early is still mid-stream
+        # (without it the whole stream can be sent before the client's cancel arrives).
+        gap_s = float(arg) if kind == "drip" else 0.0
         limit = request.max_tokens or 16
         out = words[:limit]
         rid = request.request_id or f"req-{len(self.requests)}"
@@ -68,7 +71,7 @@ class FakeInference(pb_grpc.InferenceServiceServicer):
                 if kind == "break-after" and i == int(arg):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "worker died")
                 yield pb.GenerateResponse(request_id=rid, text=(" " if i else "") + word, token_ids=[i + 1])
-                await asyncio.sleep(0)
+                await asyncio.sleep(gap_s)
             reason = pb.FINISH_REASON_LENGTH if len(words) > limit else pb.FINISH_REASON_STOP
             yield pb.GenerateResponse(request_id=rid, finish_reason=reason,
                                       usage=pb.Usage(prompt_tokens=len(request.prompt.split()),

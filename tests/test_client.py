@@ -115,7 +115,7 @@ def test_deadline_exceeded(gateway):
 def test_breaking_out_of_a_stream_cancels_it(gateway):
     before = gateway.servicer.cancelled
     with Client(gateway.target) as c:
-        stream = c.stream("echo: " + " ".join(["w"] * 200), max_tokens=200)
+        stream = c.stream("drip:0.01 " + " ".join(["w"] * 200), max_tokens=200)
         assert next(stream).text == "w"
         stream.close()
     deadline = time.monotonic() + 15  # generous: the CI box is shared and loaded
