@@ -34,6 +34,12 @@ def load_tokenizer(cfg: GatewayConfig):
     return AutoTokenizer.from_pretrained(str(cfg.target_path))
 
 
+# Request metadata (headers, the bearer token among them) up to 16 KiB, larger refused. Soft =
+# hard on purpose: gRPC rejects requests *at random* between a soft limit (8 KiB by default)
+# and the hard one (16 KiB), so an 8 kB token passed or failed by chance.
+METADATA_LIMITS = (("grpc.max_metadata_size", 16 * 1024), ("grpc.absolute_max_metadata_size", 16 * 1024))
+
+
 class Gateway:
     def __init__(self, cfg: GatewayConfig, tokenizer=None) -> None:
         self.cfg = cfg
@@ -59,7 +65,7 @@ class Gateway:
 
     async def start(self) -> int:
         server = grpc.aio.server(interceptors=[ErrorInterceptor(self.cfg.auth_token)],
-                                 options=[("grpc.so_reuseport", 0)])
+                                 options=[("grpc.so_reuseport", 0), *METADATA_LIMITS])
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(
             InferenceServicer(self.cfg, self._tokenizer, self.queue, self.table), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
