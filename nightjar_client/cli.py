@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence until --max-tokens")
     p.add_argument("--request-id", default="", help="id for tracing ('' = the gateway assigns one)")
     p.add_argument("--deadline-s", type=float, default=None, help="give up after this many seconds, retries included")
-    p.add_argument("--retries", type=int, default=4, help="retries on UNAVAILABLE / RESOURCE_EXHAUSTED")
+    p.add_argument("--retries", type=int, default=4, help="retries on UNAVAILABLE / RESOURCE_EXHAUSTED (queue full)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--target", default=config.env_target(),
                    help=f"gateway host:port (env {config.TARGET_ENV})")

@@ -3,7 +3,7 @@
 >>> with Client("127.0.0.1:50051") as client:                      # doctest: +SKIP
 ...     print(client.generate("Once upon a time", max_tokens=16).text)
 
-Retries (``UNAVAILABLE``, ``RESOURCE_EXHAUSTED``) follow ``RetryPolicy``; a stream is never
+Retries (``UNAVAILABLE``, ``RESOURCE_EXHAUSTED`` with the queue's retry-after hint) follow ``RetryPolicy``; a stream is never
 retried once it has yielded tokens. ``deadline_s`` bounds the whole call, retries included.
 """
 

@@ -36,7 +36,8 @@ class InvalidArgument(NightjarError):
 
 
 class ResourceExhausted(NightjarError):
-    """The server's queue is full; ``retry_after_s`` is its suggested wait (None = no hint)."""
+    """The server's queue is full (``retry_after_s``: its suggested wait), or, without that hint,
+    gRPC itself refused the call (headers or message over its size limits)."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -46,7 +47,9 @@ class ResourceExhausted(NightjarError):
 
     @property
     def retryable(self) -> bool:
-        return True
+        # The gateway's queue cap always sends retry-after-ms; a refusal without it is about
+        # this call's size, which the same call would meet again.
+        return self.retry_after_s is not None
 
 
 class Unavailable(NightjarError):

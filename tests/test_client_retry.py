@@ -65,8 +65,11 @@ def test_retry_after_hint_is_a_floor_and_is_capped():
     assert policy.delay_s(0, hinted, FixedRng(1.0)) == pytest.approx(0.825)  # +10% jitter at most
     huge = errors.ResourceExhausted("full", retry_after_s=600.0)
     assert policy.delay_s(0, huge, FixedRng(0.0)) == pytest.approx(2.0)
-    unhinted = errors.ResourceExhausted("full")
-    assert policy.delay_s(0, unhinted, FixedRng(0.0)) == pytest.approx(0.01)
+    # Without the hint it is gRPC refusing the call's size (e.g. headers over the limit), not a
+    # full queue: the same call would be refused again, so it is not retried.
+    unhinted = errors.ResourceExhausted("received metadata size exceeds hard limit")
+    assert not unhinted.retryable
+    assert policy.delay_s(0, unhinted, FixedRng(0.0)) is None
 
 
 def test_attempts_stop_at_max_attempts():
@@ -118,7 +121,9 @@ def test_error_mapping(code, cls):
     assert isinstance(err, errors.NightjarError)
     assert err.code == code
     assert "details here" in str(err)
-    assert err.retryable == (cls in (errors.Unavailable, errors.ResourceExhausted))
+    assert err.retryable == (cls is errors.Unavailable)  # RESOURCE_EXHAUSTED only with the queue's hint
+    if cls is errors.ResourceExhausted:
+        assert errors.from_status(code, "queue full", (("retry-after-ms", "100"),)).retryable
 
 
 def test_retry_after_metadata_parsing():
