@@ -15,6 +15,7 @@ from gateway.follower import RequestQueue
 from gateway.text_stream import IndexDedup, StopCutter
 from gateway.validation import Limits, check_length, validate
 from nightjar import metrics as m
+from nightjar.fast_tokenizer import FastTokenizer
 from nightjar.messages import Job, OutputChunk
 from nightjar.service_util import now_ms
 from nightjar.v1 import inference_pb2 as pb
@@ -31,7 +32,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._queue = queue
         self._table = table
         self._limits = Limits(cfg.default_max_tokens, cfg.max_tokens_limit, cfg.max_context_tokens)
-        self._encode = fast_encoder(tokenizer)
+        self._fast = FastTokenizer(tokenizer)  # encode and the detokenizers' decodes, minus the wrappers
 
     async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
         return pb.GetModelInfoResponse(
@@ -44,7 +45,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         received_s = time.perf_counter()
         self._table.check_open()
         valid = validate(request, self._limits)
-        prompt_ids = self._encode(valid.prompt)
+        prompt_ids = self._fast.encode(valid.prompt)
         check_length(len(prompt_ids), valid.params.max_tokens, self._limits)
         request_id = uuid.uuid4().hex
         remaining_s = context.time_remaining()
@@ -60,7 +61,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 enqueued_unix_ms=now_ms(),
             ))
             reply_id = valid.client_request_id or request_id
-            stream = _Completion(self._tokenizer, prompt_ids, valid.params.stop, reply_id, received_s)
+            stream = _Completion(self._fast, prompt_ids, valid.params.stop, reply_id, received_s)
             try:
                 async with asyncio.timeout(remaining_s):
                     async for batch in self._queue.outputs(request_id):
@@ -90,20 +91,6 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         else:  # client gone, deadline, stop string seen first, or an error: free the worker's blocks
             self._queue.cancel_soon(entry.request_id, "cancelled")
         m.REQUESTS_WAITING.set(self._table.queued)
-
-
-def fast_encoder(tokenizer):
-    """``tokenizer.encode`` without the transformers wrapper (2-3x faster: it is on every
-    request's time to first token), used only if it gives the same ids on a probe text."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return tokenizer.encode
-    probe = "def f(x):\n    return x  # héllo, 世界 \u2014 ok"
-
-    def encode(text: str) -> list[int]:
-        return backend.encode(text, add_special_tokens=True).ids
-
-    return encode if encode(probe) == tokenizer.encode(probe) else tokenizer.encode
 
 
 class _Completion:

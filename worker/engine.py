@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from nightjar.fast_tokenizer import FastTokenizer
 from nightjar.messages import SamplingParams, StepStats
 from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer
@@ -72,6 +73,7 @@ class Engine:
         self.scheduler = Scheduler(self.runner.blocks, self.speculator.runner.blocks if self.speculator else None,
                                    cfg.max_running, cfg.max_batched_tokens)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.target_path)
+        self._fast_tokenizer = FastTokenizer(self.tokenizer)  # stop-string detokenizers decode every step
         self.eos_ids = set(target.cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -109,7 +111,7 @@ class Engine:
             raise ValueError(f"EngineRequest.prompt_token_ids: prompt of {len(ids)} tokens leaves no room in the "
                              f"{self.max_context_tokens}-token context; shorten it")
         validate(req.params, vocab)
-        detok = IncrementalDetokenizer(self.tokenizer) if req.params.stop else None
+        detok = IncrementalDetokenizer(self._fast_tokenizer) if req.params.stop else None
         self._arrivals += 1
         self.scheduler.add(Sequence(req.request_id, list(ids), req.params, self._arrivals,
                                     self.max_context_tokens, detok))
