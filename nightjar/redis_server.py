@@ -42,6 +42,7 @@ def free_port() -> int:
 class EmbeddedRedis:
     port: int = 0
     password: str | None = None
+    launcher: tuple[str, ...] = ()  # a command prefix, e.g. ("nice", "-n", "10")
     proc: subprocess.Popen | None = field(default=None, repr=False)
     _dir: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
 
@@ -54,7 +55,7 @@ class EmbeddedRedis:
         self.port = self.port or free_port()
         self._dir = tempfile.TemporaryDirectory(prefix="nightjar-redis-")
         args = [
-            redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+            *self.launcher, redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", self._dir.name, "--loglevel", "warning",
         ]
         if self.password:

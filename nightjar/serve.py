@@ -30,6 +30,8 @@ def add_stack_args(p: argparse.ArgumentParser, *, port: int) -> None:
     p.add_argument("--no-draft", action="store_true", help="serve without a draft model (no speculation)")
     p.add_argument("--no-planner", action="store_true", help="run no planner (workers keep their default γ)")
     p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: (cores - 1) / workers, at least 1)")
+    p.add_argument("--io-nice", type=int, default=StackConfig.io_nice,
+                   help="niceness of every service but the workers, so the engines keep their cores (0 = equal priority)")
     p.add_argument("--log-dir", type=Path, default=None, help="write each service's log here (default: a temp folder)")
     p.add_argument("--log-level", default=env.log_level)
 
@@ -38,7 +40,7 @@ def stack_config(a: argparse.Namespace, p: argparse.ArgumentParser, **overrides)
     fields = dict(port=a.port, host=a.host, workers=a.workers, redis_url=a.redis_url, key_prefix=a.key_prefix,
                   policy=a.policy, planner=not a.no_planner, target_path=a.target,
                   draft_path=None if a.no_draft else a.draft, worker_threads=a.worker_threads,
-                  log_dir=a.log_dir, log_level=a.log_level)
+                  io_nice=a.io_nice, log_dir=a.log_dir, log_level=a.log_level)
     try:
         return StackConfig(**{**fields, **overrides})
     except ValueError as exc:

@@ -9,6 +9,7 @@ URL is given.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,10 +43,17 @@ class StackConfig:
     log_dir: Path | None = None  # None = a temporary folder (logs shown when a service fails)
     log_level: str = "INFO"
     ready_timeout_s: float = 180.0
+    # Niceness added to every service but the workers (and to the embedded Redis). On one
+    # machine the engine is the bottleneck and the others have slack: at equal priority the
+    # scheduler would time-slice the engine thread with them and every step would stretch.
+    # 0 = equal priority; a service on a machine of its own (compose) is unaffected.
+    io_nice: int = 10
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if not 0 <= self.io_nice <= 19:
+            raise ValueError(f"io_nice must be 0..19, got {self.io_nice}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be 0..65535, got {self.port}")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -99,7 +107,7 @@ class Stack:
             self._tmp = tempfile.TemporaryDirectory(prefix="nightjar-stack-")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if cfg.redis_url is None:
-            self.redis = EmbeddedRedis().start()
+            self.redis = EmbeddedRedis(launcher=tuple(niced(cfg.io_nice))).start()
             self.redis_url = self.redis.url
         else:
             self.redis_url = cfg.redis_url
@@ -148,7 +156,8 @@ class Stack:
         full = [*args, "--redis-url", self.redis_url, "--key-prefix", self.cfg.key_prefix, "--log-level", self.cfg.log_level]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "nightjar.cli", name, *full], stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen([*niced(0 if name == "worker" else self.cfg.io_nice), sys.executable, "-m", "nightjar.cli", name, *full],
+                                    stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, cwd=str(paths.ROOT))
         svc = Service(name, full, log_path, proc)
         self.services.append(svc)
@@ -215,3 +224,10 @@ class Stack:
 
 def _planner_available() -> bool:
     return (paths.ROOT / "planner_svc" / "__main__.py").is_file()
+
+
+def niced(increment: int) -> list[str]:
+    """The command prefix that starts a process ``increment`` nicer (coreutils ``nice``), or
+    nothing where there is no ``nice``: the priority is a tuning, never a requirement."""
+    tool = shutil.which("nice") if increment else None
+    return [tool, "-n", str(increment)] if tool else []
