@@ -46,11 +46,16 @@ class AcceptanceEstimate:
     def observe(self, batch_size: int, gamma: int, accepted_per_position: tuple[int, ...]) -> None:
         gamma = min(gamma, len(accepted_per_position), self.gamma_max)
         decay = self.settings.decay
+        successes, trials = self.successes, self.trials
         previous = batch_size
         for i in range(gamma):
-            accepted = min(max(accepted_per_position[i], 0), previous)
-            self.successes[i] = self.successes[i] * decay + accepted
-            self.trials[i] = self.trials[i] * decay + previous
+            accepted = accepted_per_position[i]  # clipped to 0..previous
+            if accepted < 0:
+                accepted = 0
+            elif accepted > previous:
+                accepted = previous
+            successes[i] = successes[i] * decay + accepted
+            trials[i] = trials[i] * decay + previous
             previous = accepted
             if previous == 0:
                 break  # later positions had no trials; leave their estimates alone

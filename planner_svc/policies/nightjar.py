@@ -80,7 +80,9 @@ class _Timeline:
 
     def __init__(self, lo: int, hi: int, arm: int, arms: int) -> None:
         self.lo, self.hi = lo, hi
-        self.hist = np.zeros(hi - lo + 1)  # decayed counts of batch sizes lo..hi
+        # Decayed counts of batch sizes lo..hi. A list: one cell changes every step, and a list
+        # cell costs a fraction of a numpy one; support() turns it into an array when asked.
+        self.hist = [0.0] * (hi - lo + 1)
         self.arm = arm  # arm in force
         self.exploit_arm = arm  # arm to return to after a probe
         self.block = 0
@@ -98,36 +100,48 @@ class _Timeline:
         self.bin_ms = 0.0
         self.bin_tokens = 0.0
         self.predicted = 0.0  # predicted loss of the bin's arm when the bin began
+        self._support: tuple[np.ndarray, np.ndarray] | None = None  # support(), until hist changes
 
     # Decay without touching every entry each step: new data is added with a weight that grows
     # by 1/decay per step, and everything is renormalised once the weight gets large.
     def observe(self, batch: int, gamma: int, catchup_ms: float) -> None:
-        self.hist_scale *= 1.0 / 0.999  # batch-size mix drifts: ~1000 steps of memory
-        self.hist[min(batch, self.hi) - self.lo] += self.hist_scale
-        self.catchup_scale *= 1.0 / 0.995  # switching costs: ~200 steps of memory
-        self.catchup[gamma] += catchup_ms * self.catchup_scale
-        self.recent_plays[gamma] += self.catchup_scale
-        if self.hist_scale > 1e9 or self.catchup_scale > 1e9:
+        self._support = None
+        hist_scale = self.hist_scale = self.hist_scale * (1.0 / 0.999)  # batch-size mix drifts: ~1000 steps
+        self.hist[(batch if batch < self.hi else self.hi) - self.lo] += hist_scale
+        scale = self.catchup_scale = self.catchup_scale * (1.0 / 0.995)  # switching costs: ~200 steps
+        self.catchup[gamma] += catchup_ms * scale
+        self.recent_plays[gamma] += scale
+        if hist_scale > 1e9 or scale > 1e9:
             self.normalise()
 
     def charge(self, arm: int, catchup_ms: float) -> None:
         self.catchup[arm] += catchup_ms * self.catchup_scale
 
     def normalise(self) -> None:
-        self.hist /= self.hist_scale
+        self.hist = [h / self.hist_scale for h in self.hist]
+        self._support = None
         self.catchup = [c / self.catchup_scale for c in self.catchup]
         self.recent_plays = [p / self.catchup_scale for p in self.recent_plays]
         self.hist_scale = self.catchup_scale = 1.0
 
     def catchup_per_step(self) -> np.ndarray:
-        return np.asarray(self.catchup) / (np.asarray(self.recent_plays) + 20.0 * self.catchup_scale)
+        """ĉ per arm, [γmax+1]: elementwise in Python (the same doubles), one array at the end."""
+        prior = 20.0 * self.catchup_scale
+        return np.array([c / (p + prior) for c, p in zip(self.catchup, self.recent_plays)])
 
     def support(self) -> tuple[np.ndarray, np.ndarray]:
-        total = self.hist.sum()
+        """Batch sizes of the bucket that matter [k] and their weights [k], summing to 1."""
+        if self._support is None:  # a bin end asks up to three times between two observations
+            self._support = self._compute_support()
+        return self._support
+
+    def _compute_support(self) -> tuple[np.ndarray, np.ndarray]:
+        hist = np.array(self.hist)  # [hi - lo + 1]
+        total = hist.sum()
         if total <= 0:  # not seen yet: the middle of the bucket (the open last one: up to 2×lo)
             return np.array([float((self.lo + min(self.hi, 2 * self.lo)) // 2)]), np.array([1.0])
-        keep = np.flatnonzero(self.hist >= 0.02 * self.hist.max())
-        return (keep + self.lo).astype(float), self.hist[keep] / self.hist[keep].sum()
+        keep = np.flatnonzero(hist >= 0.02 * hist.max())
+        return (keep + self.lo).astype(float), hist[keep] / hist[keep].sum()
 
 
 class NightjarPolicy(GammaPolicy):
@@ -147,6 +161,11 @@ class NightjarPolicy(GammaPolicy):
         lows = (1,) + tuple(b + 1 for b in self.buckets[:-1])
         highs = self.buckets[:-1] + (max(top, self.buckets[-1]),)
         self.timelines = [_Timeline(lo, hi, arm0, gamma_max + 1) for lo, hi in zip(lows, highs)]
+        # Bucket of every batch size up to the largest bound: select and update look it up on
+        # every step, and a list index is a fraction of bisect's cost.
+        self._bucket_of = [bucket_index(self.buckets, b) for b in range(highs[-1] + 1)]
+        self._bucket_end = len(self._bucket_of)
+        self._block_tokens = settings.residency.block_tokens
         # worker -> (γ=0 steps in a row, tokens per sequence, bucket of its last step, update no.)
         self.workers_lag: dict[str, tuple[int, float, int, int]] = {}
         self.updates = 0
@@ -155,6 +174,8 @@ class NightjarPolicy(GammaPolicy):
 
     # --- select --------------------------------------------------------------------------------
     def gamma_for(self, batch_size: int) -> int:
+        if 0 <= batch_size < self._bucket_end:
+            return self.timelines[self._bucket_of[batch_size]].arm
         return self.timelines[bucket_index(self.buckets, batch_size)].arm
 
     def residency_for(self, worker_id: str) -> str:
@@ -191,41 +212,44 @@ class NightjarPolicy(GammaPolicy):
     # --- update --------------------------------------------------------------------------------
     def update(self, stats: StepStats) -> None:
         b, g = stats.batch_size, stats.gamma
-        times = (stats.verify_ms, stats.draft_ms, stats.catchup_ms)
-        if b <= 0 or not 0 <= g <= self.gamma_max or not all(0 <= t < math.inf for t in times):
-            return  # a malformed record must not poison the shared models
+        verify_ms, draft_ms, catchup_ms = stats.verify_ms, stats.draft_ms, stats.catchup_ms
+        if (b <= 0 or not 0 <= g <= self.gamma_max or not 0 <= verify_ms < math.inf
+                or not 0 <= draft_ms < math.inf or not 0 <= catchup_ms < math.inf):
+            return  # a malformed record (NaN fails both bounds) must not poison the shared models
         self.updates += 1
         if g > 0 and stats.accepted_per_position:
             self.acceptance.observe(b, g, stats.accepted_per_position)
-        if stats.prefill_tokens > 0:  # the target forward also prefilled new prompts
-            self.cost.observe_mixed(b, g, stats.draft_ms, stats.verify_ms, stats.prefill_tokens)
-        elif stats.verify_ms > 0:
-            self.cost.observe(b, g, stats.draft_ms, stats.verify_ms)
+        prefill_tokens = stats.prefill_tokens
+        if prefill_tokens > 0:  # the target forward also prefilled new prompts
+            self.cost.observe_mixed(b, g, draft_ms, verify_ms, prefill_tokens)
+        elif verify_ms > 0:
+            self.cost.observe(b, g, draft_ms, verify_ms)
         if stats.catchup_tokens > 0:
-            self.cost.observe_catchup(stats.catchup_tokens, stats.catchup_ms)
-        bucket = bucket_index(self.buckets, b)
+            self.cost.observe_catchup(stats.catchup_tokens, catchup_ms)
+        bucket = self._bucket_of[b] if b < self._bucket_end else bucket_index(self.buckets, b)
         tl = self.timelines[bucket]
         run, _, zero_bucket, _ = self.workers_lag.get(stats.worker_id, (0, 0.0, bucket, 0))
-        tokens_per_seq = stats.kv_blocks_used * self.settings.residency.block_tokens / b
+        tokens_per_seq = stats.kv_blocks_used * self._block_tokens / b
         self.workers_lag[stats.worker_id] = (run + 1 if g == 0 else 0, tokens_per_seq, bucket, self.updates)
         # Who pays a catch-up: after steady speculation it is the draft prefilling new prompts, a
         # running cost of this arm; after a γ=0 run in another bucket it is that bucket's γ=0
         # leaving the draft behind (so tables that flip across a boundary look as dear as they
         # are); after a γ=0 run in this bucket it is this bucket's own switch, which the
         # decision rules already price (amortised catch-up), so no arm is charged.
-        tl.observe(b, g, stats.catchup_ms if run == 0 else 0.0)
-        if run and stats.catchup_ms and zero_bucket != bucket:
-            self.timelines[zero_bucket].charge(0, stats.catchup_ms)
-        tl.steps += 1
+        tl.observe(b, g, catchup_ms if run == 0 else 0.0)
+        if run and catchup_ms and zero_bucket != bucket:
+            self.timelines[zero_bucket].charge(0, catchup_ms)
+        steps = tl.steps = tl.steps + 1
         tl.plays[g] += 1
-        tl.last_played[g] = tl.steps
+        tl.last_played[g] = steps
         if g == tl.arm:  # the bin's observed loss, prefill rows taken out as the prediction does
-            prefill_ms = self.cost.prefill_ms_per_token * stats.prefill_tokens
-            tl.bin_ms += stats.draft_ms + max(stats.verify_ms - prefill_ms, 0.0) + stats.catchup_ms
-            tl.bin_tokens += max(stats.emitted_tokens, 1)
+            prefill_ms = self.cost.prefill_ms_per_token * prefill_tokens
+            tl.bin_ms += draft_ms + max(verify_ms - prefill_ms, 0.0) + catchup_ms
+            emitted = stats.emitted_tokens
+            tl.bin_tokens += emitted if emitted > 1 else 1
         tl.steps_left -= 1
         if tl.steps_left <= 0:
-            self._end_bin(tl, bucket_index(self.buckets, b))
+            self._end_bin(tl, bucket)
         if self.settings.offload:
             self.residency_ctl.observe(stats, self.gamma_for, self.gain, self.batching_gain,
                                        self.cost.catchup_ms_per_token())
@@ -334,7 +358,7 @@ class NightjarPolicy(GammaPolicy):
             "residency": self.residency_ctl.state_dict(),
             "timelines": [{"arm": t.arm, "exploit_arm": t.exploit_arm, "block": t.block, "bin_index": t.bin_index,
                            "steps": t.steps, "plays": t.plays, "last_played": t.last_played,
-                           "catchup": t.catchup, "recent_plays": t.recent_plays, "hist": t.hist.tolist()} for t in self.timelines],
+                           "catchup": t.catchup, "recent_plays": t.recent_plays, "hist": list(t.hist)} for t in self.timelines],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -358,4 +382,5 @@ class NightjarPolicy(GammaPolicy):
             tl.last_played = [int(x) for x in row["last_played"]]
             tl.catchup = [float(x) for x in row["catchup"]]
             tl.recent_plays = [float(x) for x in row.get("recent_plays", [0.0] * arms)]
-            tl.hist = np.asarray(row["hist"], dtype=float)
+            tl.hist = [float(x) for x in row["hist"]]
+            tl._support = None

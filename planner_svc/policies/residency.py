@@ -85,7 +85,9 @@ class ResidencyController:
     def observe(self, stats: StepStats, gamma_wanted: Callable[[int], int], gain: Callable[[int], float],
                 batching_gain: Callable[[int, int], float], catchup_ms_per_token: float) -> None:
         s = self.settings
-        w = self.workers.setdefault(stats.worker_id, _WorkerState())
+        w = self.workers.get(stats.worker_id)
+        if w is None:  # (not setdefault: that would build a _WorkerState on every step)
+            w = self.workers[stats.worker_id] = _WorkerState()
         total = stats.kv_blocks_used + stats.kv_blocks_free
         full = total > 0 and stats.kv_blocks_used >= s.kv_full_fraction * total
         w.pressure += s.pressure_smoothing * (float(full and stats.waiting > 0) - w.pressure)

@@ -24,6 +24,8 @@ sizes seen, r interpolates and stays flat.
 
 from __future__ import annotations
 
+import bisect
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,63 +48,81 @@ class StepCostSettings:
 
 
 class _Curve:
-    """Running means at integer x with capped weight, and the roofline interpolation."""
+    """Running means at integer x with capped weight, and the roofline interpolation.
+
+    ``observe`` runs on every step, so the cells are Python lists (a list read or write is a
+    fraction of a numpy scalar one, and float arithmetic gives the same doubles) and the
+    observed x are kept sorted as they appear (``xs``), instead of being found again with
+    ``flatnonzero`` on every fit. ``predict`` builds numpy knots from them once per change.
+    """
 
     def __init__(self, size: int, cap: float) -> None:
-        self.mean = np.zeros(size + 1)
-        self.weight = np.zeros(size + 1)
+        self.mean = [0.0] * (size + 1)
+        self.weight = [0.0] * (size + 1)
+        self.top = size  # largest x; larger ones land in this cell
         self.cap = cap
-        self._xp: np.ndarray | None = None
+        self.xs: list[int] = []  # x with weight != 0, ascending: the knots
         # predict()'s knots and end slopes, until the next observation: one decision predicts
         # several curves at several shapes between two steps.
         self._fit: tuple | None = None
 
     def observe(self, x: int, value: float) -> None:
-        # Called on every step: .item() reads a Python float, cheaper than a numpy scalar, and
-        # float arithmetic gives the same doubles.
-        x = min(max(x, 1), len(self.mean) - 1)
-        seen = self.weight.item(x)
-        w = min(seen + 1.0, self.cap)
+        x = 1 if x < 1 else self.top if x > self.top else x
+        seen = self.weight[x]
         if seen == 0:
-            self._xp = None
+            bisect.insort(self.xs, x)
+        w = seen + 1.0
+        if w > self.cap:
+            w = self.cap
         self._fit = None
         self.weight[x] = w
-        mean = self.mean.item(x)
+        mean = self.mean[x]
         self.mean[x] = mean + (value - mean) / w
 
     @property
     def empty(self) -> bool:
-        return not self.weight.any()
+        return not self.xs
 
     def bounds(self) -> tuple[int, int]:
-        xs = np.flatnonzero(self.weight)
-        return int(xs[0]), int(xs[-1])
+        return self.xs[0], self.xs[-1]
 
-    def predict(self, x: np.ndarray) -> np.ndarray:
+    def predict(self, x: np.ndarray, x_min: float | None = None, x_max: float | None = None) -> np.ndarray:
+        """v at every x; ``x_min`` / ``x_max``: x's extremes, where the caller knows them."""
         if self._fit is None:
             self._fit = self._knots()
         xp, fp, top_x, top_v, top_slope, low_x, low_v, low_slope = self._fit
         out = np.interp(x, xp, fp)
-        out = np.where(x > top_x, top_v + top_slope * (x - top_x), out)
-        return np.where(x < low_x, low_v - low_slope * (low_x - x), out)
+        # Each numpy call on these few-element arrays costs about what the arithmetic does, so
+        # the extrapolations are computed only where some x lies beyond the knots.
+        if (x.max() if x_max is None else x_max) > top_x:
+            out = np.where(x > top_x, top_v + top_slope * (x - top_x), out)
+        if (x.min() if x_min is None else x_min) < low_x:
+            out = np.where(x < low_x, low_v - low_slope * (low_x - x), out)
+        return out
+
+    def _points(self) -> tuple[np.ndarray, np.ndarray]:
+        """The knots as arrays: x [k] (int) and their means [k]."""
+        xs = self.xs
+        means = operator.itemgetter(*xs)(self.mean) if len(xs) > 1 else [self.mean[x] for x in xs]
+        return np.array(xs, dtype=np.intp), np.array(means, dtype=float)
 
     def _knots(self) -> tuple:
-        if self._xp is None:
-            self._xp = np.flatnonzero(self.weight)
-        xp = self._xp
-        if len(xp) == 0:
+        xs, mean = self.xs, self.mean
+        if not xs:
             raise ValueError("no observations yet")
-        fp = self.mean[xp]
-        top_x, top_v, low_x, low_v = xp[-1], fp[-1], xp[0], fp[0]
-        if len(xp) >= 2:
+        xp, fp = self._points()
+        # Python scalars: the same doubles as numpy's, at a fraction of the cost per operation.
+        top_x, low_x = xs[-1], xs[0]
+        top_v, low_v = mean[top_x], mean[low_x]
+        if len(xs) >= 2:
             # Slopes over the upper / lower half of the observed range, so one noisy cell does
             # not set them.
-            lo = xp[np.searchsorted(xp, top_x // 2, side="left")]
-            lo = lo if lo < top_x else xp[-2]
-            top_slope = (top_v - self.mean[lo]) / (top_x - lo)
-            hi = xp[np.searchsorted(xp, 2 * low_x, side="right") - 1]
-            hi = hi if hi > low_x else xp[1]
-            low_slope = (self.mean[hi] - low_v) / (hi - low_x)
+            lo = xs[bisect.bisect_left(xs, top_x // 2)]
+            lo = lo if lo < top_x else xs[-2]
+            top_slope = (top_v - mean[lo]) / (top_x - lo)
+            hi = xs[bisect.bisect_right(xs, 2 * low_x) - 1]
+            hi = hi if hi > low_x else xs[1]
+            low_slope = (mean[hi] - low_v) / (hi - low_x)
         else:
             top_slope = low_slope = 0.5 * top_v / top_x  # one point: halfway between the limits
         # Clamp to the roofline's limits: flat (memory-bound) ... proportional (compute-bound).
@@ -111,17 +131,17 @@ class _Curve:
         return xp, fp, top_x, top_v, top_slope, low_x, low_v, low_slope
 
     def state_dict(self) -> dict[str, Any]:
-        idx = np.flatnonzero(self.weight)
-        return {"x": idx.tolist(), "mean": self.mean[idx].tolist(), "weight": self.weight[idx].tolist()}
+        return {"x": list(self.xs), "mean": [self.mean[x] for x in self.xs],
+                "weight": [self.weight[x] for x in self.xs]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         xs = [int(x) for x in state.get("x", ())]
-        if xs and max(xs) < len(self.mean):
-            self.mean[:] = 0
-            self.weight[:] = 0
-            self.mean[xs] = state["mean"]
-            self.weight[xs] = state["weight"]
-            self._xp = None
+        if xs and min(xs) >= 0 and max(xs) < len(self.mean):
+            self.mean = [0.0] * len(self.mean)
+            self.weight = [0.0] * len(self.weight)
+            for x, m, w in zip(xs, state["mean"], state["weight"]):
+                self.mean[x], self.weight[x] = float(m), float(w)
+            self.xs = [x for x, w in enumerate(self.weight) if w != 0]
             self._fit = None
 
 
@@ -130,18 +150,16 @@ class _PerBatch(_Curve):
 
     def value(self, x: int) -> float:
         """r at one batch size; the cell itself once seen (the cheap path, every step)."""
-        x = min(max(x, 1), len(self.mean) - 1)
-        if self.weight.item(x) > 0:
-            return self.mean.item(x)
-        return 0.0 if self.empty else float(self.predict(np.array([float(x)]))[0])
+        x = 1 if x < 1 else self.top if x > self.top else x
+        if self.weight[x] > 0:
+            return self.mean[x]
+        return 0.0 if not self.xs else float(self.predict(np.array([float(x)]))[0])
 
-    def predict(self, x: np.ndarray) -> np.ndarray:
-        if self.empty:
+    def predict(self, x: np.ndarray, x_min: float | None = None, x_max: float | None = None) -> np.ndarray:
+        if not self.xs:  # (no extrapolation here, so x's extremes are not needed)
             return np.zeros_like(np.asarray(x, dtype=float))
         if self._fit is None:
-            if self._xp is None:
-                self._xp = np.flatnonzero(self.weight)
-            self._fit = (self._xp, self.mean[self._xp])
+            self._fit = self._points()
         xp, fp = self._fit
         return np.interp(x, xp, fp)
 
@@ -158,6 +176,7 @@ class StepCostModel:
         self.catchup_events = 0.0
         self.prefill_ms_per_token = 0.0  # target prefill rows riding in a decode step, learned
         self.prefill_seen = 0.0
+        self._arms_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def observe(self, batch_size: int, gamma: int, draft_ms: float, verify_ms: float) -> None:
         self._observe_verify(batch_size, batch_size * (gamma + 1), verify_ms)
@@ -165,10 +184,11 @@ class StepCostModel:
             self.draft.observe(batch_size, draft_ms / gamma)
 
     def _observe_verify(self, batch_size: int, n: int, verify_ms: float) -> None:
-        cell = min(n, len(self.verify.weight) - 1)
-        if self.verify.weight.item(cell) > 0:  # r learns what v(n) leaves unexplained ...
-            self.per_seq.observe(batch_size, verify_ms - self.verify.mean.item(cell))
-        self.verify.observe(n, verify_ms - self.per_seq.value(batch_size))  # ... and v what r does
+        verify, per_seq = self.verify, self.per_seq
+        cell = n if n < verify.top else verify.top
+        if verify.weight[cell] > 0:  # r learns what v(n) leaves unexplained ...
+            per_seq.observe(batch_size, verify_ms - verify.mean[cell])
+        verify.observe(n, verify_ms - per_seq.value(batch_size))  # ... and v what r does
 
     def observe_mixed(self, batch_size: int, gamma: int, draft_ms: float, verify_ms: float, prefill_tokens: int) -> None:
         """A step whose target forward also prefilled new prompts (the engine mixes them).
@@ -179,9 +199,9 @@ class StepCostModel:
         n = batch_size * (gamma + 1)
         if gamma > 0:
             self.draft.observe(batch_size, draft_ms / gamma)
-        cell = min(n, len(self.verify.weight) - 1)
+        cell = min(n, self.verify.top)
         if self.verify.weight[cell] >= 4:
-            decode_ms = self.verify.mean.item(cell) + self.per_seq.value(batch_size)
+            decode_ms = self.verify.mean[cell] + self.per_seq.value(batch_size)
             per_token = max((verify_ms - decode_ms) / prefill_tokens, 0.0)
             self.prefill_seen = min(self.prefill_seen + 1.0, self.settings.weight_cap)
             self.prefill_ms_per_token += (per_token - self.prefill_ms_per_token) / self.prefill_seen
@@ -201,8 +221,11 @@ class StepCostModel:
     def step_ms(self, batch_sizes: np.ndarray, gamma_max: int) -> np.ndarray:
         """Predicted draft + verify ms, shape [len(batch_sizes), gamma_max + 1]."""
         b = np.asarray(batch_sizes, dtype=float)[:, None]  # [k, 1]
-        g = np.arange(gamma_max + 1, dtype=float)[None, :]  # [1, G+1]
-        verify = self.verify.predict(b * (g + 1)) + self.per_seq.predict(b)  # [k, G+1]
+        g, g1 = self._arms(gamma_max)  # [1, G+1] each: γ and γ+1
+        b_min, b_max = float(b.min()), float(b.max())
+        # b·(γ+1) spans b_min·1 .. b_max·(γmax+1), the same products the array holds
+        n_max = b_max * float(gamma_max + 1)
+        verify = self.verify.predict(b * g1, b_min, n_max) + self.per_seq.predict(b)  # [k, G+1]
         target = verify[:, :1]  # [k, 1] the target's pass at B tokens: the γ=0 column
         if self.draft.empty:
             per_pass = self.settings.draft_prior_ratio * target  # [k, 1]
@@ -210,10 +233,25 @@ class StepCostModel:
             # Outside the batch sizes the draft was seen at, scale its nearest measurement by the
             # target's curve: both are the same roofline shape, only the constant differs.
             lo, hi = self.draft.bounds()
-            inside = np.clip(b, lo, hi)
-            at_inside = self.verify.predict(inside) + self.per_seq.predict(inside)  # [k, 1]
-            per_pass = self.draft.predict(inside) * target / np.maximum(at_inside, 1e-9)
+            if lo <= b_min and b_max <= hi:  # all inside: the target there is the γ=0 column
+                inside, at_inside = b, target
+                in_min, in_max = b_min, b_max
+            else:
+                inside = np.clip(b, lo, hi)
+                in_min, in_max = min(max(b_min, lo), hi), min(max(b_max, lo), hi)
+                at_inside = self.verify.predict(inside, in_min, in_max) + self.per_seq.predict(inside)  # [k, 1]
+            per_pass = self.draft.predict(inside, in_min, in_max) * target / np.maximum(at_inside, 1e-9)
         return verify + g * per_pass
+
+    def _arms(self, gamma_max: int) -> tuple[np.ndarray, np.ndarray]:
+        """γ and γ+1 as [1, γmax+1] rows, built once (read-only: shared by every prediction)."""
+        arms = self._arms_cache.get(gamma_max)
+        if arms is None:
+            g = np.arange(gamma_max + 1, dtype=float)[None, :]
+            g1 = g + 1
+            g.flags.writeable = g1.flags.writeable = False
+            arms = self._arms_cache[gamma_max] = (g, g1)
+        return arms
 
     def catchup_ms_per_event(self) -> float:
         return self.catchup_ms_sum / self.catchup_events if self.catchup_events else 0.0
