@@ -14,7 +14,7 @@ def parse_config(argv: list[str]) -> PlannerConfig:
     env = env_defaults()
     p = argparse.ArgumentParser(prog="nightjar planner", description="learn γ per batch size and draft residency")
     p.add_argument("--policy", default="nightjar", help=f"one of: {', '.join(SPECS)}")
-    p.add_argument("--gamma-max", type=int, default=4, help="largest speculation depth γ")
+    p.add_argument("--gamma-max", type=int, default=PlannerConfig.gamma_max, help="largest speculation depth γ (<= the workers')")
     p.add_argument("--ttl-s", type=float, default=10.0, help="workers fall back to their default γ after this")
     p.add_argument("--seed", type=int, default=0, help="seed of the policy's exploration")
     p.add_argument("--buckets", default=",".join(map(str, PlannerConfig().buckets)),

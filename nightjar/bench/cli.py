@@ -16,7 +16,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-FULL_POLICIES = ("off", "fixed:G", "threshold:4:G", "table:1=4,4=2,16=1,32=0", "ucb", "nightjar", "nightjar-nooffload")
+# The static table is the best γ per batch size of the offline sweep (BENCHMARKS.md,
+# Speculation: scripts/bench_speculation.py on this pair), i.e. vLLM's table tuned as well as a
+# profiling run can: the strongest static baseline, not a guess.
+FULL_POLICIES = ("off", "fixed:G", "threshold:4:G", "table:1=6,2=5,8=3,16=4,32=1", "ucb", "nightjar", "nightjar-nooffload")
 FULL_WORKLOADS = ("burst@30", "azure_conv@25", "poisson:0.3@10", "poisson:1.5@15")
 QUICK_POLICIES = ("fixed:G", "nightjar")
 QUICK_WORKLOADS = ("burst@20",)

@@ -32,10 +32,10 @@ from nightjar.bench.workload import LengthScale, PromptBank, Workload, build
 from nightjar.keys import Keys
 from nightjar.messages import Policy
 from nightjar.stack import Stack, StackConfig
+from planner_svc.config import PlannerConfig
 from planner_svc.simulator.trace import synthetic_lengths
 
-
-PLANNER_GAMMA_MAX = 4  # planner_svc's default --gamma-max: a fixed:G above it would be refused
+PLANNER_GAMMA_MAX = PlannerConfig.gamma_max  # the planner's default --gamma-max: a fixed:G above it would be refused
 
 
 def kind_of(spec: str) -> str:
@@ -76,6 +76,7 @@ class CompareConfig:
     capacity_rps: float | None = None  # skip the capacity probe
     fixed_gamma: int | None = None  # skip the batch-1 γ probe
     gamma_probe_tokens: int = 32
+    gamma_probe_requests: int = 8  # single requests per γ, each on its own prompt (3 ranked γ by noise)
     capacity_probe_concurrency: int = 32  # requests kept in flight by the capacity probe (throughput still grows past 16 on CPU)
     capacity_probe_s: float = 20.0
     capacity_probe_warmup_s: float = 4.0  # the first prefills and the batch filling up are not steady state
@@ -89,6 +90,8 @@ class CompareConfig:
             raise ValueError("give at least one --policies entry")
         if not self.workloads:
             raise ValueError("give at least one --workloads entry")
+        if self.gamma_probe_requests < 1:
+            raise ValueError(f"gamma_probe_requests must be >= 1, got {self.gamma_probe_requests}")
         if self.capacity_rps is not None and not self.capacity_rps > 0:
             raise ValueError(f"--capacity-rps must be > 0, got {self.capacity_rps}")
 
@@ -186,22 +189,25 @@ async def _publish(stack: Stack, gamma: int, version: int) -> None:
 async def probe_gamma(stack: Stack, cfg: CompareConfig, bank: PromptBank, gamma_max: int) -> dict:
     """The γ that decodes one request fastest; needs a stack without a planner (it publishes)."""
     out: dict = {"gamma_probe": {}, "notes": []}
-    rng = np.random.default_rng(cfg.seed)
     best, best_tps = 0, -1.0
     for g in range(min(gamma_max, PLANNER_GAMMA_MAX) + 1):
         await _publish(stack, g, version=1000 + g)
         await asyncio.sleep(1.5)  # the worker follows the policy channel; let it switch
         wl = _fixed_workload(1, 32, cfg.gamma_probe_tokens)
-        tps_runs, acc_runs = [], []
-        for rep in range(3):
-            res, steps = await run_on_stack(stack, wl, [bank.text(32, rng)], _quiet(cfg), f"γ={g}#{rep}")
+        prompt_rng = np.random.default_rng(cfg.seed)  # the same prompts for every γ
+        decode_s = decoded = 0.0
+        acc_runs = []
+        for rep in range(cfg.gamma_probe_requests):
+            res, steps = await run_on_stack(stack, wl, [bank.text(32, prompt_rng)], _quiet(cfg), f"γ={g}#{rep}")
             rec = res.records[0]
             if rec.ok and rec.itl_s:
-                tps_runs.append(1.0 / rec.itl_s)  # decode rate after the first token (no prefill, no queue)
+                # decode time after the first token (no prefill, no queue), pooled over requests
+                decode_s += rec.itl_s * (rec.completion_tokens - 1)
+                decoded += rec.completion_tokens - 1
             if steps.get("acceptance") is not None:
                 acc_runs.append(steps["acceptance"])
-        tps = float(np.median(tps_runs)) if tps_runs else 0.0
-        acceptance = float(np.mean(acc_runs)) if acc_runs else None  # all three requests, not the last one
+        tps = decoded / decode_s if decode_s else 0.0
+        acceptance = float(np.mean(acc_runs)) if acc_runs else None
         out["gamma_probe"][g] = {"tokens_per_s": tps, "acceptance": acceptance,
                                  "spec_step_share": steps.get("spec_step_share"), "mean_batch": steps.get("mean_batch")}
         if g > 0 and not steps.get("spec_step_share"):
@@ -209,7 +215,8 @@ async def probe_gamma(stack: Stack, cfg: CompareConfig, bank: PromptBank, gamma_
         if tps > best_tps:
             best, best_tps = g, tps
     out["fixed_gamma"] = int(best)
-    out["gamma_probe_note"] = "batch-1 decode tokens/s after the first token, per γ, median of three single requests"
+    out["gamma_probe_note"] = (f"batch-1 decode tokens/s after the first token, per γ, pooled over {cfg.gamma_probe_requests} "
+                               "single requests on the same prompts")
     await _publish(stack, 0, version=2000)  # the capacity probe that may follow runs at γ = 0
     await asyncio.sleep(1.5)
     return out
