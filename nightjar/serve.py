@@ -31,7 +31,7 @@ def add_stack_args(p: argparse.ArgumentParser, *, port: int) -> None:
     p.add_argument("--no-planner", action="store_true", help="run no planner (workers keep their default γ)")
     p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: (cores - 1) / workers, at least 1)")
     p.add_argument("--io-nice", type=int, default=StackConfig.io_nice,
-                   help="niceness of every service but the workers, so the engines keep their cores (0 = equal priority)")
+                   help="niceness added to every service but the workers (default 0: equal priority; see docs/pipeline.md)")
     p.add_argument("--log-dir", type=Path, default=None, help="write each service's log here (default: a temp folder)")
     p.add_argument("--log-level", default=env.log_level)
 

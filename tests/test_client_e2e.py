@@ -34,7 +34,7 @@ def stack():
     if not (paths.DEFAULT_TARGET / "config.json").is_file():
         pytest.fail(f"the shipped target model is missing at {paths.DEFAULT_TARGET}")
     gw_metrics, worker_metrics = free_port(), free_port()
-    cfg = StackConfig(port=0, workers=1, worker_threads=1,
+    cfg = StackConfig(port=0, workers=1, worker_threads=1, io_nice=5,
                       gateway_args=("--metrics-port", str(gw_metrics)),
                       worker_args=("--metrics-port", str(worker_metrics)))
     with Stack(cfg) as s:
@@ -52,6 +52,15 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
 
 def total(samples: dict, name: str) -> float:
     return sum(v for (n, _), v in samples.items() if n == name)
+
+
+def test_io_services_run_nicer_than_the_worker(stack):
+    """io_nice: every service but the worker, and the embedded Redis, starts that much nicer."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    procs = [(svc.name, svc.proc.pid) for svc in stack.services] + [("redis", stack.redis.proc.pid)]
+    assert {name for name, _ in procs} >= {"worker", "gateway", "scheduler", "redis"}
+    for name, pid in procs:
+        assert os.getpriority(os.PRIO_PROCESS, pid) == (base if name == "worker" else min(19, base + 5)), name
 
 
 def test_generate_and_stream_agree(stack):

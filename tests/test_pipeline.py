@@ -43,15 +43,6 @@ def reference(texts):
     return engine_reference(texts, MAX_TOKENS)
 
 
-def test_services_but_the_workers_run_nicer(stack):
-    """io_nice: on one machine the engines keep priority over the I/O services."""
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    nicer = min(19, base + stack.cfg.io_nice)
-    assert stack.cfg.io_nice > 0  # the default
-    for svc in stack.services:
-        assert os.getpriority(os.PRIO_PROCESS, svc.proc.pid) == (base if svc.name == "worker" else nicer), svc.name
-
-
 async def test_64_concurrent_greedy_streams_match_the_engine(stack, texts, reference):
     from engine_support import pair, tokenizer
 
