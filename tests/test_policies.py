@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import numpy as np
 import pytest
@@ -174,6 +176,22 @@ def test_no_offload_where_speculation_pays_at_the_grown_batch():
         ctl.observe(stats(40, 0, used=95, free=5, waiting=30), lambda b: 0, lambda b: 0.0 if b <= 40 else 0.3,
                     lambda b, b2: 0.1, 0.01)
     assert ctl.directive("w0") == RESIDENT
+
+
+def test_a_silent_worker_leaves_the_residency_table():
+    """A dead worker must not stay in every published policy (the planner's clock is the steps')."""
+    ctl = ResidencyController(ResidencySettings(min_dwell_steps=100, forget_after_ms=60_000))
+    _pressure(ctl, 300, full=True, waiting=3)  # w0 offloaded at unix_ms 0, then silent
+    assert ctl.directive("w0") == OFFLOADED
+    keep = lambda b: 0  # noqa: E731
+    for t in range(0, 80_000, 500):  # w1 steps on for 80 s (silence is checked every quarter of the limit)
+        ctl.observe(dataclasses.replace(stats(4, 0, worker="w1"), unix_ms=t), keep, lambda b: 0.0, lambda b, b2: 0.0, 0.01)
+        if t == 59_500:
+            assert set(ctl.workers) == {"w0", "w1"}  # not before forget_after_ms
+    assert set(ctl.workers) == {"w1"} and ctl.directive("w0") == RESIDENT
+    restored = ResidencyController(ctl.settings)
+    restored.load_state_dict(ctl.state_dict())
+    assert restored.workers["w1"].last_step_ms == ctl.workers["w1"].last_step_ms > 0
 
 
 def test_batching_gain_follows_the_roofline():

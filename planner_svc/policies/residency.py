@@ -19,7 +19,10 @@ for everyone, so the draft stays. And where speculation would pay again at B' (t
 up learned a γ > 0), the draft would be reloaded as soon as the batch grew.
 
 Both moves wait ``min_dwell_steps`` after the previous one and are checked every 16 steps, so
-the directive cannot flap.
+the directive cannot flap. A worker whose steps stop for ``forget_after_ms`` (by the steps'
+own clock, checked every quarter of it) is forgotten: a dead one must not stay in every
+published policy, and a live one that idled that long has no pressure left, so "resident"
+(the default directive) is right for it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class ResidencySettings:
     reload_cost_ms: float = 150.0  # copy-back time of the draft, before measurements say otherwise
     gain_horizon_ms: float = 5000.0  # how long a reload is expected to keep paying
     block_tokens: int = 16  # tokens per KV block (to turn used blocks into catch-up tokens)
+    forget_after_ms: int = 60_000  # a worker without a step for this long leaves the table
 
     def __post_init__(self) -> None:
         if not 0 < self.kv_full_fraction <= 1:
@@ -60,6 +64,8 @@ class ResidencySettings:
             raise ValueError(f"kv_growth_prior must be >= 1, got {self.kv_growth_prior}")
         if self.min_dwell_steps < 0 or self.block_tokens < 1:
             raise ValueError("min_dwell_steps must be >= 0 and block_tokens >= 1")
+        if self.forget_after_ms <= 0:
+            raise ValueError(f"forget_after_ms must be > 0, got {self.forget_after_ms}")
 
 
 @dataclass
@@ -71,12 +77,14 @@ class _WorkerState:
     offloaded_kv_total: int = 0  # ... and while it was offloaded
     offloads: int = 0
     reloads: int = 0
+    last_step_ms: int = 0  # unix_ms of its latest step
 
 
 @dataclass
 class ResidencyController:
     settings: ResidencySettings = field(default_factory=ResidencySettings)
     workers: dict[str, _WorkerState] = field(default_factory=dict)
+    _swept_ms: int = 0  # when workers were last checked for silence
 
     def directive(self, worker_id: str) -> str:
         state = self.workers.get(worker_id)
@@ -88,6 +96,9 @@ class ResidencyController:
         w = self.workers.get(stats.worker_id)
         if w is None:  # (not setdefault: that would build a _WorkerState on every step)
             w = self.workers[stats.worker_id] = _WorkerState()
+        w.last_step_ms = stats.unix_ms
+        if stats.unix_ms - self._swept_ms >= s.forget_after_ms // 4:
+            self._forget_silent(stats.unix_ms)
         total = stats.kv_blocks_used + stats.kv_blocks_free
         full = total > 0 and stats.kv_blocks_used >= s.kv_full_fraction * total
         w.pressure += s.pressure_smoothing * (float(full and stats.waiting > 0) - w.pressure)
@@ -124,6 +135,12 @@ class ResidencyController:
             w.residency, w.steps_since_change = RESIDENT, 0
             w.reloads += 1
 
+    def _forget_silent(self, now_ms: int) -> None:
+        self._swept_ms = now_ms
+        horizon = now_ms - self.settings.forget_after_ms
+        for wid in [wid for wid, w in self.workers.items() if w.last_step_ms < horizon]:
+            del self.workers[wid]
+
     def _grown_batch(self, w: _WorkerState, stats: StepStats) -> int:
         """The batch the worker could run with the draft's memory handed to the KV cache."""
         if w.resident_kv_total and w.offloaded_kv_total:
@@ -137,11 +154,12 @@ class ResidencyController:
 
     def state_dict(self) -> dict[str, Any]:
         return {wid: [w.residency, w.pressure, min(w.steps_since_change, 1 << 30), w.resident_kv_total,
-                      w.offloads, w.reloads, w.offloaded_kv_total] for wid, w in self.workers.items()}
+                      w.offloads, w.reloads, w.offloaded_kv_total, w.last_step_ms] for wid, w in self.workers.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for wid, row in state.items():
-            # 6 fields: state saved before offloaded_kv_total existed.
-            if isinstance(row, list) and len(row) in (6, 7) and row[0] in (RESIDENT, OFFLOADED):
+            # 6 or 7 fields: state saved before offloaded_kv_total / last_step_ms existed.
+            if isinstance(row, list) and len(row) in (6, 7, 8) and row[0] in (RESIDENT, OFFLOADED):
                 self.workers[str(wid)] = _WorkerState(str(row[0]), float(row[1]), int(row[2]), int(row[3]),
-                                                      int(row[6]) if len(row) == 7 else 0, int(row[4]), int(row[5]))
+                                                      int(row[6]) if len(row) >= 7 else 0, int(row[4]), int(row[5]),
+                                                      int(row[7]) if len(row) == 8 else 0)
