@@ -20,10 +20,10 @@ class PlannerConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "nj"
     policy: str = "nightjar"  # a make_policy spec: nightjar, off, fixed:3, table:1=4,16=0, ...
-    # The workers' ceiling (worker.config.EngineConfig.gamma_max): on the shipped pair the
-    # best γ at batch 1-4 is 5-6 (BENCHMARKS.md, Speculation), so a smaller arm set would
-    # cap the policy below what fixed-γ speculation gets at low load.
-    gamma_max: int = 6
+    # Below the workers' ceiling (6) on purpose: γ = 5-6 gain up to 8% at batch 1-4 in the
+    # engine sweep, but with 7 arms nightjar explored its way to 8-10% worse latency on burst
+    # and ramp in the simulator and lost 3-10% throughput on a live load ramp (BENCHMARKS.md).
+    gamma_max: int = 4
     ttl_s: float = 10.0  # workers fall back to their default γ when the policy is older than this
     seed: int = 0
     buckets: tuple[int, ...] = DEFAULT_BUCKETS  # batch-size bucket upper bounds

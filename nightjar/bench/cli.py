@@ -16,10 +16,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-# The static table is the best γ per batch size of the offline sweep (BENCHMARKS.md,
-# Speculation: scripts/bench_speculation.py on this pair), i.e. vLLM's table tuned as well as a
-# profiling run can: the strongest static baseline, not a guess.
-FULL_POLICIES = ("off", "fixed:G", "threshold:4:G", "table:1=6,2=5,8=3,16=4,32=1", "ucb", "nightjar", "nightjar-nooffload")
+# The static table (each entry: γ up to that batch size) is the offline sweep's best γ ≤ 4 (the
+# planner's γmax) per batch size (BENCHMARKS.md, Speculation: scripts/bench_speculation.py on
+# this pair), i.e. vLLM's table tuned as well as a profiling run can: the strongest static
+# baseline, not a guess.
+FULL_POLICIES = ("off", "fixed:G", "threshold:4:G", "table:4=4,8=3,16=4,64=1", "ucb", "nightjar", "nightjar-nooffload")
 FULL_WORKLOADS = ("burst@30", "azure_conv@25", "poisson:0.3@10", "poisson:1.5@15")
 QUICK_POLICIES = ("fixed:G", "nightjar")
 QUICK_WORKLOADS = ("burst@20",)
