@@ -1,8 +1,8 @@
 """FastTokenizer: a transformers tokenizer's encode and decode without the Python wrappers.
 
 ``tokenizer.encode``/``decode`` in transformers 5 spend most of their time in argument
-handling around the Rust ``tokenizers`` backend: a decode of a few ids costs ~25 µs through
-the wrapper and ~3 µs direct. The gateway encodes every prompt and decodes twice per streamed
+handling around the Rust ``tokenizers`` backend: a decode of six ids took 8.7 µs through the
+wrapper and 3.5 µs direct on the development machine. The gateway encodes every prompt and decodes twice per streamed
 chunk (worker.detokenizer), so it calls the backend directly, but only after checking on
 probes, once, that the results are identical; otherwise it keeps the wrapper.
 """

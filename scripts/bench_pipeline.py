@@ -153,16 +153,29 @@ class ThroughStack:
         return sum(n for _, n in results) / (time.perf_counter() - t0)
 
 
+def stack_policy(a: argparse.Namespace) -> str:
+    return f"fixed:{a.gamma}" if a.gamma else "off"
+
+
+def start_stack(a: argparse.Namespace):
+    """One worker, no planner, the engine settings of the in-process side."""
+    from nightjar.stack import Stack, StackConfig
+
+    return Stack(StackConfig(port=0, workers=1, planner=False, policy=stack_policy(a),
+                             draft_path=None if a.no_draft else paths.DEFAULT_DRAFT,
+                             worker_threads=a.threads, io_nice=a.io_nice, log_level="WARNING")).start()
+
+
 async def hops(a: argparse.Namespace) -> None:
     import threading
 
     import redis
 
-    from nightjar.stack import Stack, StackConfig
+    from nightjar.keys import Keys
 
     texts = prompts(a.hops, a.prompt_chars)
-    stack = Stack(StackConfig(port=0, workers=1, planner=False, policy="off", draft_path=None if a.no_draft else paths.DEFAULT_DRAFT,
-                              worker_threads=a.threads, io_nice=a.io_nice, log_level="WARNING")).start()
+    stack = start_stack(a)
+    keys = Keys(stack.cfg.key_prefix)
     events: list[tuple[float, str]] = []  # (unix time, command), appended by the MONITOR thread
 
     def monitor() -> None:
@@ -192,7 +205,7 @@ async def hops(a: argparse.Namespace) -> None:
     spans: list[list[float]] = [[] for _ in names]
     for sent, first in marks:
         seen = [(ts, cmd) for ts, cmd in events if sent <= ts <= first]
-        at = [next((ts for ts, cmd in seen if cmd.startswith(prefix)), None) for prefix in ("XADD nj:requests", "XADD nj:inbox", "EVAL")]
+        at = [next((ts for ts, cmd in seen if cmd.startswith(prefix)), None) for prefix in (f"XADD {keys.requests}", f"XADD {keys.inbox('')}", "EVAL")]
         if None in at:
             continue
         points = [sent, *at, first]
@@ -206,14 +219,11 @@ async def hops(a: argparse.Namespace) -> None:
 
 
 async def run(a: argparse.Namespace) -> None:
-    from nightjar.stack import Stack, StackConfig
-
     draft = None if a.no_draft else paths.DEFAULT_DRAFT
-    policy = f"fixed:{a.gamma}" if a.gamma else "off"
+    policy = stack_policy(a)
     texts = prompts(max(a.streams, a.ttft_samples), a.prompt_chars)
     print(f"starting the stack (1 worker, policy {policy}, {a.threads} torch thread(s)) and the in-process engine ...", file=sys.stderr)
-    stack = Stack(StackConfig(port=0, workers=1, planner=False, policy=policy, draft_path=draft,
-                              worker_threads=a.threads, io_nice=a.io_nice, log_level="WARNING")).start()
+    stack = start_stack(a)
     try:
         local = EngineProcess(draft, a.threads, a.gamma)
         remote = ThroughStack(stack.address)
@@ -242,10 +252,10 @@ async def run(a: argparse.Namespace) -> None:
           f"policy {policy}, {a.threads} thread(s), io_nice {a.io_nice}, cpu_count={os.cpu_count()})\n")
     print("| measure | engine in-process | through the stack | stack - engine / ratio | goal |")
     print("|---|---|---|---|---|")
-    print(f"| TTFT p50, 1 request at a time | {p50(eng_ttft):.1f} ms | {p50(stk_ttft):.1f} ms | +{p50(added):.1f} ms | <= 5 ms |")
+    print(f"| TTFT p50, 1 request at a time | {p50(eng_ttft):.1f} ms | {p50(stk_ttft):.1f} ms | {p50(added):+.1f} ms | <= 5 ms |")
     print(f"| TTFT p90 | {statistics.quantiles(eng_ttft, n=10)[-1]:.1f} ms | {statistics.quantiles(stk_ttft, n=10)[-1]:.1f} ms | "
-          f"+{statistics.quantiles(added, n=10)[-1]:.1f} ms (p90 of differences) | |")
-    print(f"| TTFT p50 of each side | | | +{p50(stk_ttft) - p50(eng_ttft):.1f} ms (difference of the medians) | |")
+          f"{statistics.quantiles(added, n=10)[-1]:+.1f} ms (p90 of differences) | |")
+    print(f"| TTFT p50 of each side | | | {p50(stk_ttft) - p50(eng_ttft):+.1f} ms (difference of the medians) | |")
     print(f"| tokens/s, {a.streams} concurrent streams (median of rounds) | {p50(eng_tps):.0f} | {p50(stk_tps):.0f} | {ratio:.3f}x | >= 0.95x |")
     print(f"| tokens/s ratio per round (stack ÷ engine, back to back) | | | median {p50(round_ratios):.3f}x "
           f"(range {round_ratios[0]:.2f}-{round_ratios[-1]:.2f}) | >= 0.95x |")

@@ -76,7 +76,7 @@ class CompareConfig:
     capacity_rps: float | None = None  # skip the capacity probe
     fixed_gamma: int | None = None  # skip the batch-1 γ probe
     gamma_probe_tokens: int = 32
-    gamma_probe_requests: int = 8  # single requests per γ, each on its own prompt (3 ranked γ by noise)
+    gamma_probe_requests: int = 8  # single requests per γ, on the same prompts for every γ (3 ranked γ by noise)
     capacity_probe_concurrency: int = 32  # requests kept in flight by the capacity probe (throughput still grows past 16 on CPU)
     capacity_probe_s: float = 20.0
     capacity_probe_warmup_s: float = 4.0  # the first prefills and the batch filling up are not steady state
