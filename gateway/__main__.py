@@ -27,6 +27,8 @@ def parse_config(argv: list[str]) -> GatewayConfig:
     p.add_argument("--drain-grace-s", type=float, default=10.0, help="SIGTERM: how long running streams may finish")
     p.add_argument("--auth-token", default=env.auth_token, help="require 'authorization: Bearer TOKEN' (env NIGHTJAR_AUTH_TOKEN)")
     p.add_argument("--no-require-worker", action="store_true", help="report SERVING even before a worker heartbeats")
+    p.add_argument("--no-direct-dispatch", action="store_true",
+                   help="send every job through the scheduler instead of into a leased worker's inbox")
     add_common_args(p, env)
     a = p.parse_args(argv)
     try:
@@ -35,6 +37,7 @@ def parse_config(argv: list[str]) -> GatewayConfig:
             draft_path=None if a.no_draft else a.draft, max_queued=a.max_queued, max_streams=a.max_streams,
             max_tokens_limit=a.max_tokens_limit, default_max_tokens=a.default_max_tokens,
             drain_grace_s=a.drain_grace_s, auth_token=a.auth_token, require_worker=not a.no_require_worker,
+            direct_dispatch=not a.no_direct_dispatch,
             metrics_port=a.metrics_port, log_level=a.log_level,
         )
     except ValueError as exc:

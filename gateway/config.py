@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nightjar import paths
+from nightjar.dispatch_lease import ASSIGNMENT_TTL_S
 from nightjar.service_util import check_redis_url
 
 
@@ -32,6 +33,8 @@ class GatewayConfig:
     read_block_ms: int = 1000  # XREAD BLOCK per call while following an output stream
     health_interval_s: float = 0.25  # how often Redis and worker liveness are polled
     require_worker: bool = True  # health is SERVING only once a worker heartbeats
+    direct_dispatch: bool = True  # put jobs into a worker's inbox under the scheduler's lease (nightjar.dispatch_lease)
+    assignment_ttl_s: float = ASSIGNMENT_TTL_S  # as the scheduler's, for the jobs dispatched directly
     metrics_port: int = 0
     log_level: str = "INFO"
 
@@ -46,7 +49,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
-        for name in ("drain_grace_s", "output_ttl_s", "cancel_ttl_s", "redis_timeout_s", "health_interval_s"):
+        for name in ("drain_grace_s", "output_ttl_s", "cancel_ttl_s", "redis_timeout_s", "health_interval_s",
+                     "assignment_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not self.key_prefix or ":" in self.key_prefix:

@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 
 from gateway.output_reader import OutputReader
+from nightjar import metrics as m
+from nightjar.dispatch_lease import DirectDispatch
 from nightjar.keys import Keys
 from nightjar.messages import Cancel, Job, OutputChunk
 
@@ -16,19 +18,30 @@ log = logging.getLogger("gateway")
 
 
 class RequestQueue:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, reader: OutputReader, *, cancel_ttl_s: float) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, reader: OutputReader, *, cancel_ttl_s: float,
+                 direct: DirectDispatch | None = None) -> None:
         self._redis = redis
         self._keys = keys
         self._reader = reader
+        self._direct = direct  # None: every job goes through the scheduler
         self._cancel_ttl_ms = int(cancel_ttl_s * 1000)
         self._background: set[asyncio.Task] = set()
         self._forget: list[str] = []  # output streams of finished requests, deleted together
 
     async def enqueue(self, job: Job) -> None:
-        # No MAXLEN: trimming would silently drop queued requests; the cap is enforced at
-        # admission and the scheduler deletes each entry once it is dispatched. Shielded:
-        # see gateway/output_reader.py for why a handler never awaits a redis-py call directly.
-        await asyncio.shield(self._redis.xadd(self._keys.requests, {b"job": job.encode()}))
+        """Into a leased worker's inbox (nightjar.dispatch_lease), else on the requests stream.
+
+        No MAXLEN on the stream: trimming would silently drop queued requests; the cap is
+        enforced at admission and the scheduler deletes each entry once it is dispatched.
+        Shielded: see gateway/output_reader.py for why a handler never awaits redis-py directly."""
+        raw = job.encode()
+        if self._direct is None:
+            await asyncio.shield(self._redis.xadd(self._keys.requests, {b"job": raw}))
+            path = "queued"
+        else:
+            worker = await asyncio.shield(self._direct.enqueue(job.request_id, raw, job.enqueued_unix_ms))
+            path = "queued" if worker is None else "direct"
+        m.DISPATCHES.labels(path=path).inc()
 
     async def outputs(self, request_id: str) -> AsyncIterator[list[OutputChunk]]:
         """Every chunk written to the request's output stream, in order, until a final one

@@ -17,6 +17,7 @@ from gateway.follower import RequestQueue
 from gateway.output_reader import OutputReader
 from gateway.interceptors import ErrorInterceptor
 from gateway.servicer import InferenceServicer
+from nightjar.dispatch_lease import DirectDispatch
 from nightjar.keys import Keys
 from nightjar.service_util import connect_redis
 from nightjar.v1 import inference_pb2, inference_pb2_grpc
@@ -56,7 +57,8 @@ class Gateway:
                                                      socket_connect_timeout=cfg.redis_timeout_s,
                                                      socket_timeout=cfg.read_block_ms / 1000 + 5.0)
         self.reader = OutputReader(self._redis, self._reader_redis, cfg.read_block_ms)
-        self.queue = RequestQueue(self._redis, self.keys, self.reader, cancel_ttl_s=cfg.cancel_ttl_s)
+        direct = DirectDispatch(self._redis, self.keys, cfg.assignment_ttl_s) if cfg.direct_dispatch else None
+        self.queue = RequestQueue(self._redis, self.keys, self.reader, cancel_ttl_s=cfg.cancel_ttl_s, direct=direct)
         self.health = HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0

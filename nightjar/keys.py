@@ -37,6 +37,12 @@ class Keys:
     def worker_group(self) -> str:
         return "worker"
 
+    @property
+    def leases(self) -> str:
+        """Hash worker -> "max_running kv_free kv_total" with a short TTL, written by the scheduler:
+        the workers a gateway may put jobs into directly (nightjar.dispatch_lease)."""
+        return f"{self.prefix}:leases"
+
     def assignment(self, request_id: str) -> str:
         """Hash: which worker runs a request, the job itself, and when it was assigned."""
         return f"{self.prefix}:assign:{request_id}"

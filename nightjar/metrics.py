@@ -49,6 +49,9 @@ PREEMPTIONS = Counter("nightjar_num_preemptions", "Sequences preempted (recomput
                       registry=REGISTRY)
 
 # --------------------------------------------------------------------------- requests (gateway)
+DISPATCH_PATHS = ("direct", "queued")
+DISPATCHES = Counter("nightjar_dispatches", "Jobs the gateway put straight into a leased worker's inbox (direct) "
+                     "or on the requests stream for the scheduler (queued).", ["path"], registry=REGISTRY)
 REQUEST_SUCCESS = Counter("nightjar_request_success", "Finished requests by finish reason.",
                           ["finished_reason"], registry=REGISTRY)
 PROMPT_TOKENS = Counter("nightjar_prompt_tokens", "Prefill tokens of finished requests.", registry=REGISTRY)
@@ -108,6 +111,8 @@ for _d in MOVE_DIRECTIONS:
     DRAFT_MOVE_SECONDS.labels(direction=_d)
 for _s in RESIDENCY_STATES:
     DRAFT_RESIDENCY.labels(state=_s)
+for _p in DISPATCH_PATHS:
+    DISPATCHES.labels(path=_p)
 
 _server_lock = threading.Lock()
 _server_port: int | None = None

@@ -6,6 +6,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from nightjar.dispatch_lease import ASSIGNMENT_TTL_S
 from nightjar.service_util import check_redis_url
 
 
@@ -28,7 +29,8 @@ class SchedulerConfig:
     claim_interval_s: float = 1.0
     heartbeat_check_s: float = 0.25  # how often worker liveness is checked
     output_ttl_s: float = 600.0  # error chunks written by the scheduler expire like worker output
-    assignment_ttl_s: float = 24 * 3600.0  # a leaked assignment record disappears after this
+    assignment_ttl_s: float = ASSIGNMENT_TTL_S  # a leaked assignment record disappears after this
+    lease_ttl_s: float = 1.0  # the lease table outlives the scheduler by this much (nightjar.dispatch_lease)
     dead_letter_maxlen: int = 10_000
     metrics_port: int = 0
     log_level: str = "INFO"
@@ -38,8 +40,10 @@ class SchedulerConfig:
         for name in ("read_count", "read_block_ms", "max_deliveries", "max_attempts", "claim_idle_ms", "dead_letter_maxlen"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("claim_interval_s", "heartbeat_check_s", "output_ttl_s", "assignment_ttl_s"):
+        for name in ("claim_interval_s", "heartbeat_check_s", "output_ttl_s", "assignment_ttl_s", "lease_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.lease_ttl_s < 2 * self.heartbeat_check_s:
+            raise ValueError(f"lease_ttl_s ({self.lease_ttl_s}) must cover two heartbeat checks ({self.heartbeat_check_s}s each)")
         if not self.consumer:
             raise ValueError("consumer name must be non-empty")

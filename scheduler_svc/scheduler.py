@@ -8,6 +8,10 @@ assignment sets), so a scheduler can be killed and restarted at any moment:
 - entries a dead scheduler left pending are reclaimed with XAUTOCLAIM after ``claim_idle_ms``;
   an entry delivered more than ``max_deliveries`` times (a poison job) is dead-lettered;
 - a worker whose heartbeat key expired has its unfinished assignments re-sent, attempt + 1.
+
+With every heartbeat check it also re-publishes the lease table (nightjar.dispatch_lease): the
+live workers a gateway may put jobs into directly, by the same capacity measure. Jobs leased
+that way never pass through here but leave the same records, so re-dispatch covers them too.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import logging
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from nightjar.dispatch_lease import lease_entry
 from nightjar.keys import Keys
 from nightjar.messages import DeadLetter, Heartbeat, Job, MessageError, OutputChunk
 from nightjar.service_util import now_ms
@@ -50,6 +55,10 @@ class Scheduler:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            try:  # without a scheduler, gateways queue jobs for the next one to pick up
+                await self.redis.delete(self.keys.leases)
+            except (RedisError, OSError):
+                pass
 
     async def ensure_group(self) -> None:
         try:
@@ -205,7 +214,8 @@ class Scheduler:
             await asyncio.sleep(self.cfg.heartbeat_check_s)
 
     async def refresh_workers(self) -> list[str]:
-        """Update the capacity view from heartbeats; return the workers whose heartbeat expired."""
+        """Update the capacity view and the lease table from heartbeats; return the workers
+        whose heartbeat expired."""
         workers = sorted(w.decode() for w in await self.redis.smembers(self.keys.workers))
         beats = await self.redis.mget([self.keys.heartbeat(w) for w in workers]) if workers else []
         alive, dead = {}, []
@@ -218,6 +228,12 @@ class Scheduler:
             except MessageError as exc:
                 log.error("ignoring malformed heartbeat of %s: %s", worker, exc)
         self.capacity.refresh(alive)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.keys.leases)
+            if alive:
+                pipe.hset(self.keys.leases, mapping={w: lease_entry(hb) for w, hb in alive.items()})
+                pipe.pexpire(self.keys.leases, int(self.cfg.lease_ttl_s * 1000))
+            await pipe.execute()
         return dead
 
     async def redispatch(self, dead_worker: str) -> None:

@@ -13,8 +13,9 @@ both alike; the engine side runs in a bare child process of its own, like a work
 Both sides run the same engine settings (γ policy, torch threads) on the shipped models.
 ``--hops N`` instead times N sequential 1-token requests hop by hop, from the client's clock and
 Redis ``MONITOR`` timestamps (same machine, same clock): client -> job queued (gateway),
--> job in the worker's inbox (scheduler), -> first output chunk written (worker, engine step
-included), -> first token at the client (gateway and gRPC back).
+-> job in the worker's inbox (scheduler; 0 when the gateway dispatched it directly under the
+scheduler's lease), -> first output chunk written (worker, engine step included), -> first
+token at the client (gateway and gRPC back). ``--via-scheduler`` turns direct dispatch off.
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ def start_stack(a: argparse.Namespace):
 
     return Stack(StackConfig(port=0, workers=1, planner=False, policy=stack_policy(a),
                              draft_path=None if a.no_draft else paths.DEFAULT_DRAFT,
-                             worker_threads=a.threads, io_nice=a.io_nice, log_level="WARNING")).start()
+                             worker_threads=a.threads, io_nice=a.io_nice, log_level="WARNING",
+                             gateway_args=("--no-direct-dispatch",) if a.via_scheduler else ())).start()
 
 
 async def hops(a: argparse.Namespace) -> None:
@@ -200,18 +202,22 @@ async def hops(a: argparse.Namespace) -> None:
         await remote.channel.close()
     finally:
         stack.stop()
-    names = ("client -> job queued (gRPC in, validate, tokenize, XADD)", "-> job in the inbox (scheduler)",
+    names = ("client -> job queued (gRPC in, validate, tokenize, enqueue)", "-> job in the inbox (scheduler, if it goes through it)",
              "-> first chunk written (worker: wake, engine step, write)", "-> first token at the client (gateway, gRPC out)")
     spans: list[list[float]] = [[] for _ in names]
     for sent, first in marks:
         seen = [(ts, cmd) for ts, cmd in events if sent <= ts <= first]
-        at = [next((ts for ts, cmd in seen if cmd.startswith(prefix)), None) for prefix in (f"XADD {keys.requests}", f"XADD {keys.inbox('')}", "EVAL")]
+        # queued: the XADD to the requests stream, or the gateway's enqueue script (EVALSHA);
+        # the worker's first chunk: its output script (EVAL + space, not EVALSHA)
+        prefixes = ((f"XADD {keys.requests}", "EVALSHA"), (f"XADD {keys.inbox('')}",), ("EVAL ",))
+        at = [next((ts for ts, cmd in seen if cmd.startswith(prefix)), None) for prefix in prefixes]
         if None in at:
             continue
         points = [sent, *at, first]
         for i in range(len(names)):
             spans[i].append((points[i + 1] - points[i]) * 1000)
-    print(f"\nWhere the time to first token goes ({len(spans[0])} sequential 1-token requests, io_nice {a.io_nice})\n")
+    print(f"\nWhere the time to first token goes ({len(spans[0])} sequential 1-token requests, io_nice {a.io_nice}, "
+          f"{'through the scheduler' if a.via_scheduler else 'direct dispatch'})\n")
     print("| hop | median ms | p90 ms |")
     print("|---|---:|---:|")
     for name, v in zip(names, spans):
@@ -249,7 +255,8 @@ async def run(a: argparse.Namespace) -> None:
     # (measured to move either side by 20-30% across a minute on a shared VM).
     round_ratios = sorted(s / e for s, e in zip(stk_tps, eng_tps))
     print(f"\nPipeline overhead ({a.rounds} rounds, {a.ttft_samples} TTFT samples each, {a.streams} streams x {a.max_tokens} tokens, "
-          f"policy {policy}, {a.threads} thread(s), io_nice {a.io_nice}, cpu_count={os.cpu_count()})\n")
+          f"policy {policy}, {a.threads} thread(s), io_nice {a.io_nice}, "
+          f"{'through the scheduler' if a.via_scheduler else 'direct dispatch'}, cpu_count={os.cpu_count()})\n")
     print("| measure | engine in-process | through the stack | stack - engine / ratio | goal |")
     print("|---|---|---|---|---|")
     print(f"| TTFT p50, 1 request at a time | {p50(eng_ttft):.1f} ms | {p50(stk_ttft):.1f} ms | {p50(added):+.1f} ms | <= 5 ms |")
@@ -272,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gamma", type=int, default=0, help="fixed γ on both sides (0 = plain decoding)")
     p.add_argument("--no-draft", action="store_true")
     p.add_argument("--io-nice", type=int, default=0, help="the stack's io_nice (0 = every service at the engine's priority)")
+    p.add_argument("--via-scheduler", action="store_true", help="turn the gateway's direct dispatch off")
     p.add_argument("--hops", type=int, default=0, help="time N sequential requests hop by hop instead (Redis MONITOR)")
     p.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)

@@ -1,0 +1,83 @@
+"""Direct dispatch: the gateway puts a job straight into a worker's inbox under the scheduler's lease.
+
+Through the scheduler a job waits for one more process to wake, read it and write it on
+(~1.1 ms of every request's time to first token on an idle machine, BENCHMARKS.md "Pipeline
+overhead"). So the scheduler, still the one that decides who may take work, publishes a lease
+table instead: every ``heartbeat_check_s`` it writes each live worker's max_running and free KV
+blocks from its heartbeat, with a short TTL. The gateway's enqueue is one script that
+
+- falls back to the requests stream (and so to the scheduler) when jobs are already waiting
+  there (first come, first served), when there is no table (no scheduler for a TTL), or when
+  no worker in it still has a heartbeat key;
+- otherwise picks the worker the scheduler would (scheduler_svc.capacity: the tightest of free
+  slots and free KV, ties to more free KV blocks, then the larger id), with the slots counted
+  live from the worker's assignment set rather than from its last heartbeat;
+- writes what the scheduler's own dispatch writes (inbox entry, assignment hash with its TTL,
+  the worker's assignment set), so re-dispatch after a worker dies, cancels and the worker's
+  bookkeeping treat a leased job exactly like a scheduled one.
+
+The script names per-worker keys it builds from the prefixes it is given: fine on one Redis
+(and on Redis 6.2, which the embedded server is), not on Redis Cluster, where the scheduler's
+multi-key MULTI would not work either.
+"""
+
+from __future__ import annotations
+
+from nightjar.keys import Keys
+from nightjar.messages import Heartbeat
+
+ASSIGNMENT_TTL_S = 24 * 3600.0  # a leaked assignment record disappears after this (scheduler and gateway)
+
+# KEYS: requests stream, lease table, the job's assignment hash.
+# ARGV: job bytes, request id, now (unix ms), assignment TTL (ms), then the key prefixes of a
+# worker's inbox, assignment set and heartbeat. Returns the worker's id, or nil if queued.
+_ENQUEUE = """
+local function queue()
+  redis.call('XADD', KEYS[1], '*', 'job', ARGV[1])
+  return false
+end
+if redis.call('XLEN', KEYS[1]) > 0 then return queue() end
+local leases = redis.call('HGETALL', KEYS[2])
+local best, best_free, best_kv
+for i = 1, #leases, 2 do
+  local worker = leases[i]
+  local max_running, kv_free, kv_total = string.match(leases[i + 1], '^(%d+) (%d+) (%d+)$')
+  if max_running and redis.call('EXISTS', ARGV[7] .. worker) == 1 then
+    max_running, kv_free, kv_total = tonumber(max_running), tonumber(kv_free), tonumber(kv_total)
+    local slots = (max_running - redis.call('SCARD', ARGV[6] .. worker)) / math.max(1, max_running)
+    local free = math.min(slots, kv_free / math.max(1, kv_total))
+    if best == nil or free > best_free or (free == best_free and (kv_free > best_kv
+        or (kv_free == best_kv and worker > best))) then
+      best, best_free, best_kv = worker, free, kv_free
+    end
+  end
+end
+if best == nil then return queue() end
+redis.call('XADD', ARGV[5] .. best, '*', 'job', ARGV[1])
+redis.call('HSET', KEYS[3], 'worker', best, 'job', ARGV[1], 'assigned_unix_ms', ARGV[3])
+redis.call('PEXPIRE', KEYS[3], ARGV[4])
+redis.call('SADD', ARGV[6] .. best, ARGV[2])
+return best
+"""
+
+
+def lease_entry(hb: Heartbeat) -> str:
+    """A worker's row in the lease table (what the enqueue script parses)."""
+    return f"{max(0, hb.max_running)} {max(0, hb.kv_blocks_free)} {max(0, hb.kv_blocks_total)}"
+
+
+class DirectDispatch:
+    """The gateway's enqueue: one script call that leases a worker or queues the job."""
+
+    def __init__(self, redis, keys: Keys, assignment_ttl_s: float) -> None:
+        self._script = redis.register_script(_ENQUEUE)  # EVALSHA, re-sent with EVAL after a Redis restart
+        self._keys = keys
+        self._prefixes = (keys.inbox(""), keys.worker_assignments(""), keys.heartbeat(""))
+        self._assignment_ttl_ms = int(assignment_ttl_s * 1000)
+
+    async def enqueue(self, request_id: str, job: bytes, now_ms: int) -> str | None:
+        """The worker the job went to directly, or None when it went on the requests stream."""
+        k = self._keys
+        worker = await self._script(keys=[k.requests, k.leases, k.assignment(request_id)],
+                                    args=[job, request_id, now_ms, self._assignment_ttl_ms, *self._prefixes])
+        return worker.decode() if isinstance(worker, bytes) else worker
