@@ -11,6 +11,9 @@ both alike; the engine side runs in a bare child process of its own, like a work
 - Throughput: ``--streams`` concurrent greedy streams of exactly ``--max-tokens`` tokens
   (ignore_eos); completion tokens per second through the stack / in-process (goal >= 0.95).
 Both sides run the same engine settings (γ policy, torch threads) on the shipped models.
+``--compare-dispatch N`` instead runs two stacks, with and without direct dispatch, round for
+round; ``--neighbour-load N`` runs the engine alone on one core next to different loads on the
+other (what the stack's other processes cost it through shared cache and memory).
 ``--hops N`` instead times N sequential 1-token requests hop by hop, from the client's clock and
 Redis ``MONITOR`` timestamps (same machine, same clock): client -> job queued (gateway),
 -> job in the worker's inbox (scheduler; 0 when the gateway dispatched it directly under the
@@ -76,9 +79,12 @@ class InProcess:
         t0 = time.perf_counter()
         for t in texts:
             self.eng.add_request(self._req(t, max_tokens))
-        tokens = 0
+        tokens, steps, step_s = 0, 0, 0.0
         while self.eng.has_unfinished():
+            s0 = time.perf_counter()
             tokens += sum(len(o.new_token_ids) for o in self.eng.step())
+            steps, step_s = steps + 1, step_s + time.perf_counter() - s0
+        self.last_round = (steps, step_s * 1000, (time.perf_counter() - t0) * 1000)  # steps, ms in steps, ms wall
         return tokens / (time.perf_counter() - t0)
 
 
@@ -95,17 +101,18 @@ class EngineProcess:
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         assert self.proc.stdout.readline().strip() == "ready"
 
-    def _ask(self, **req) -> float:
+    def _ask(self, **req):
         import json
 
         self.proc.stdin.write(json.dumps(req) + "\n")
-        return float(self.proc.stdout.readline())
+        return json.loads(self.proc.stdout.readline())
 
     def ttft_ms(self, text: str, max_tokens: int) -> float:
         return self._ask(op="ttft", text=text, max_tokens=max_tokens)
 
     def throughput(self, texts: list[str], max_tokens: int) -> float:
-        return self._ask(op="tput", texts=texts, max_tokens=max_tokens)
+        tps, *self.last_round = self._ask(op="tput", texts=texts, max_tokens=max_tokens)
+        return tps
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -122,7 +129,7 @@ def engine_child(a: argparse.Namespace) -> None:
         if req["op"] == "ttft":
             print(local.ttft_ms(req["text"], req["max_tokens"]), flush=True)
         else:
-            print(local.throughput(req["texts"], req["max_tokens"]), flush=True)
+            print(json.dumps([local.throughput(req["texts"], req["max_tokens"]), *local.last_round]), flush=True)
 
 
 class ThroughStack:
@@ -236,13 +243,18 @@ async def run(a: argparse.Namespace) -> None:
         await remote.ttft_ms(texts[0], 2)  # warm both paths (first gRPC call, first engine step)
         local.ttft_ms(texts[0], 2)
         eng_ttft, stk_ttft, eng_tps, stk_tps = [], [], [], []
+        eng_rounds, stk_rounds = [], []  # (engine steps, ms inside them, ms wall) per throughput round
         for r in range(a.rounds):
             for t in texts[: a.ttft_samples]:
                 eng_ttft.append(local.ttft_ms(t, 1))
                 stk_ttft.append(await remote.ttft_ms(t, 1))
             batch = texts[: a.streams]
             eng_tps.append(local.throughput(batch, a.max_tokens))
+            eng_rounds.append(local.last_round)
+            t0 = time.perf_counter()
+            since_ms = int(time.time() * 1000)
             stk_tps.append(await remote.throughput(batch, a.max_tokens))
+            stk_rounds.append((*stack_steps(stack, since_ms), (time.perf_counter() - t0) * 1000))
             print(f"round {r + 1}/{a.rounds}: engine {eng_tps[-1]:.0f} tok/s, stack {stk_tps[-1]:.0f} tok/s", file=sys.stderr)
         await remote.channel.close()
         local.close()
@@ -266,6 +278,101 @@ async def run(a: argparse.Namespace) -> None:
     print(f"| tokens/s, {a.streams} concurrent streams (median of rounds) | {p50(eng_tps):.0f} | {p50(stk_tps):.0f} | {ratio:.3f}x | >= 0.95x |")
     print(f"| tokens/s ratio per round (stack ÷ engine, back to back) | | | median {p50(round_ratios):.3f}x "
           f"(range {round_ratios[0]:.2f}-{round_ratios[-1]:.2f}) | >= 0.95x |")
+    # Where a stack round's extra time goes: more steps, slower steps, or time between steps.
+    med = [[p50(r[i] for r in rounds) for i in range(3)] for rounds in (eng_rounds, stk_rounds)]
+    slower = p50(s[1] / s[0] / (e[1] / e[0]) for s, e in zip(stk_rounds, eng_rounds))
+    print(f"| engine steps per round (median) | {med[0][0]:.0f} | {med[1][0]:.0f} | | |")
+    print(f"| ms per engine step (median of rounds) | {med[0][1] / med[0][0]:.1f} | {med[1][1] / med[1][0]:.1f} | "
+          f"per round median {slower:.3f}x | |")
+    print(f"| ms of a round outside engine steps (median) | {med[0][2] - med[0][1]:.0f} | {med[1][2] - med[1][1]:.0f} | | |")
+
+
+def stack_steps(stack, since_ms: int) -> tuple[int, float]:
+    """The stack's engine steps since ``since_ms`` and the ms spent inside them (the worker's StepStats)."""
+    import redis
+
+    from nightjar.keys import Keys
+    from nightjar.messages import StepStats
+
+    with redis.Redis.from_url(stack.redis_url) as r:
+        stats = [StepStats.decode(f[b"s"]) for _, f in r.xrange(Keys(stack.cfg.key_prefix).stats, min=f"{since_ms}-0")]
+    return len(stats), sum(s.step_ms for s in stats)
+
+
+async def compare_dispatch(a: argparse.Namespace) -> None:
+    """Direct dispatch against going through the scheduler: two stacks up at once, rounds
+    interleaved (order alternating), so the machine's drift hits both alike."""
+    texts = prompts(max(a.streams, a.ttft_samples), a.prompt_chars)
+    stacks = {via: start_stack(argparse.Namespace(**{**vars(a), "via_scheduler": via})) for via in (False, True)}
+    try:
+        remotes = {via: ThroughStack(s.address) for via, s in stacks.items()}
+        for r in remotes.values():
+            await r.throughput(texts[: a.streams], a.max_tokens)
+            await r.ttft_ms(texts[0], 1)
+        tps: dict[bool, list[float]] = {False: [], True: []}
+        ttft: dict[bool, list[float]] = {False: [], True: []}
+        for i in range(a.compare_dispatch):
+            order = (False, True) if i % 2 == 0 else (True, False)
+            for via in order:
+                tps[via].append(await remotes[via].throughput(texts[: a.streams], a.max_tokens))
+            for t in texts[: a.ttft_samples]:
+                for via in order:
+                    ttft[via].append(await remotes[via].ttft_ms(t, 1))
+                    await asyncio.sleep(0.02)  # one request at a time, as the TTFT comparison
+            print(f"round {i + 1}/{a.compare_dispatch}: direct {tps[False][-1]:.0f} tok/s, via scheduler {tps[True][-1]:.0f}", file=sys.stderr)
+    finally:
+        for s in stacks.values():
+            s.stop()
+    p50 = statistics.median
+    ratios = sorted(d / v for d, v in zip(tps[False], tps[True]))
+    print(f"\nDirect dispatch vs through the scheduler ({a.compare_dispatch} interleaved rounds, {a.ttft_samples} TTFT samples each)\n")
+    print("| measure | direct | via scheduler | direct − via / ratio |")
+    print("|---|---|---|---|")
+    print(f"| TTFT p50, 1 request at a time | {p50(ttft[False]):.2f} ms | {p50(ttft[True]):.2f} ms | "
+          f"{p50([d - v for d, v in zip(ttft[False], ttft[True])]):+.2f} ms (p50 of paired differences) |")
+    print(f"| tokens/s, {a.streams} streams (median of rounds) | {p50(tps[False]):.0f} | {p50(tps[True]):.0f} | "
+          f"per round median {p50(ratios):.3f}x (range {ratios[0]:.2f}-{ratios[-1]:.2f}) |")
+
+
+_NEIGHBOURS = {  # what runs on the other core while the engine decodes (pinned to core 0; the engine to core 1)
+    "nothing": None,
+    "a pure-Python spin loop": "while True: pass",
+    "copying 8 MB buffers (cache-sized)": "import numpy as np\na=np.ones(2_000_000,np.float32);b=np.empty_like(a)\nwhile True: np.copyto(b,a)",
+    "copying 64 MB buffers (memory)": "import numpy as np\na=np.ones(16_000_000,np.float32);b=np.empty_like(a)\nwhile True: np.copyto(b,a)",
+}
+
+
+def neighbour_load(a: argparse.Namespace) -> None:
+    """The engine alone on one core, with different work on the other: what the stack's other
+    processes cost the engine through the cores' shared cache and memory, not through the CPU."""
+    import subprocess
+
+    if (os.cpu_count() or 1) < 2:
+        sys.exit("--neighbour-load needs two cores")
+    os.sched_setaffinity(0, {1})
+    local = InProcess(paths.DEFAULT_TARGET, None if a.no_draft else paths.DEFAULT_DRAFT, a.threads, a.gamma)
+    texts = prompts(a.streams, a.prompt_chars)
+    local.throughput(texts, a.max_tokens)
+    tps: dict[str, list[float]] = {k: [] for k in _NEIGHBOURS}
+    for i in range(a.neighbour_load):
+        for name, code in _NEIGHBOURS.items():
+            proc = None
+            if code is not None:
+                proc = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{0}})\n{code}"])
+                time.sleep(0.5)
+            try:
+                tps[name].append(local.throughput(texts, a.max_tokens))
+            finally:
+                if proc is not None:
+                    proc.kill()
+                    proc.wait()
+        print(f"round {i + 1}/{a.neighbour_load} done", file=sys.stderr)
+    base = statistics.median(tps["nothing"])
+    print(f"\nThe engine alone on core 1, {a.streams} streams x {a.max_tokens} tokens ({a.neighbour_load} rounds)\n")
+    print("| on core 0 | engine tokens/s (median) | ÷ nothing |")
+    print("|---|---|---|")
+    for name, v in tps.items():
+        print(f"| {name} | {statistics.median(v):.0f} | {statistics.median(v) / base:.3f}x |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,10 +388,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--io-nice", type=int, default=0, help="the stack's io_nice (0 = every service at the engine's priority)")
     p.add_argument("--via-scheduler", action="store_true", help="turn the gateway's direct dispatch off")
     p.add_argument("--hops", type=int, default=0, help="time N sequential requests hop by hop instead (Redis MONITOR)")
+    p.add_argument("--compare-dispatch", type=int, default=0, metavar="ROUNDS",
+                   help="instead: direct dispatch vs through the scheduler, two stacks, interleaved rounds")
+    p.add_argument("--neighbour-load", type=int, default=0, metavar="ROUNDS",
+                   help="instead: the engine alone on one core with different loads on the other")
     p.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.engine_child:
         engine_child(a)
+    elif a.compare_dispatch:
+        asyncio.run(compare_dispatch(a))
+    elif a.neighbour_load:
+        neighbour_load(a)
     elif a.hops:
         asyncio.run(hops(a))
     else:
