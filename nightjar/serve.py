@@ -34,13 +34,16 @@ def add_stack_args(p: argparse.ArgumentParser, *, port: int) -> None:
                    help="niceness added to every service but the workers (default 0: equal priority; see docs/pipeline.md)")
     p.add_argument("--log-dir", type=Path, default=None, help="write each service's log here (default: a temp folder)")
     p.add_argument("--log-level", default=env.log_level)
+    p.add_argument("--metrics-port", type=int, default=env.metrics_port,
+                   help="Prometheus /metrics of the gateway on this port, the scheduler on +1, the planner on +2, "
+                        "worker i on +3+i (0 = off; env NIGHTJAR_METRICS_PORT)")
 
 
 def stack_config(a: argparse.Namespace, p: argparse.ArgumentParser, **overrides) -> StackConfig:
     fields = dict(port=a.port, host=a.host, workers=a.workers, redis_url=a.redis_url, key_prefix=a.key_prefix,
                   policy=a.policy, planner=not a.no_planner, target_path=a.target,
                   draft_path=None if a.no_draft else a.draft, worker_threads=a.worker_threads,
-                  io_nice=a.io_nice, log_dir=a.log_dir, log_level=a.log_level)
+                  io_nice=a.io_nice, log_dir=a.log_dir, log_level=a.log_level, metrics_port=a.metrics_port)
     try:
         return StackConfig(**{**fields, **overrides})
     except ValueError as exc:
@@ -64,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     redis_note = "embedded Redis" if cfg.redis_url is None else cfg.redis_url
     print(f"nightjar: ready on {stack.address} ({redis_note} at {stack.redis_url}); Ctrl-C stops", file=sys.stderr)
+    if cfg.metrics_port:
+        ports = ", ".join(f"{s.name} :{s.args[s.args.index('--metrics-port') + 1]}" for s in stack.services)
+        print(f"nightjar: /metrics on {ports}", file=sys.stderr)
     try:
         while not stop.wait(1.0):
             for svc in stack.services:

@@ -49,6 +49,10 @@ class StackConfig:
     # -1% in a 10-round run), and with as many workers as cores a nicer gateway, which every
     # token passes through, would be the one starved.
     io_nice: int = 0
+    # Prometheus /metrics: 0 = off; else the gateway serves it on this port and every other
+    # service on its own port after it (metrics_port_of): one endpoint per process, as
+    # Prometheus scrapes several processes, and each worker's series told apart by its port.
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -57,6 +61,8 @@ class StackConfig:
             raise ValueError(f"io_nice must be 0..19, got {self.io_nice}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be 0..65535, got {self.port}")
+        if self.metrics_port and not 0 < self.metrics_port <= 65535 - len(METRICS_OFFSETS) - self.workers:
+            raise ValueError(f"--metrics-port must leave room for one port per service, got {self.metrics_port}")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--redis-url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         if not (self.target_path / "config.json").is_file():
@@ -72,6 +78,15 @@ class StackConfig:
         if self.policy.startswith("fixed:"):
             return int(self.policy.split(":", 1)[1])
         return 0
+
+
+METRICS_OFFSETS = {"gateway": 0, "scheduler": 1, "planner": 2, "worker": 3}
+
+
+def metrics_port_of(base: int, service: str, index: int = 0) -> int:
+    """The /metrics port of a stack's service: base + 0 gateway, + 1 scheduler, + 2 planner,
+    + 3 + i the i-th worker."""
+    return base + METRICS_OFFSETS[service] + (index if service == "worker" else 0)
 
 
 @dataclass
@@ -155,7 +170,10 @@ class Stack:
         n = sum(s.name == name for s in self.services)
         log_path = self.log_dir / f"{name}-{n}.log"
         full = [*args, "--redis-url", self.redis_url, "--key-prefix", self.cfg.key_prefix, "--log-level", self.cfg.log_level]
+        if self.cfg.metrics_port:
+            full += ["--metrics-port", str(metrics_port_of(self.cfg.metrics_port, name, n))]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        env.pop("NIGHTJAR_METRICS_PORT", None)  # the same port for every service would stop all but one
         with open(log_path, "ab") as log:
             proc = subprocess.Popen([*niced(0 if name == "worker" else self.cfg.io_nice), sys.executable, "-m", "nightjar.cli", name, *full],
                                     stdout=log, stderr=subprocess.STDOUT,

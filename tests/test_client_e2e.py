@@ -33,14 +33,40 @@ def stack():
 
     if not (paths.DEFAULT_TARGET / "config.json").is_file():
         pytest.fail(f"the shipped target model is missing at {paths.DEFAULT_TARGET}")
-    gw_metrics, worker_metrics = free_port(), free_port()
-    cfg = StackConfig(port=0, workers=1, worker_threads=1, io_nice=5,
-                      gateway_args=("--metrics-port", str(gw_metrics)),
-                      worker_args=("--metrics-port", str(worker_metrics)))
-    with Stack(cfg) as s:
-        s.gateway_metrics = f"http://127.0.0.1:{gw_metrics}/metrics"
-        s.worker_metrics = f"http://127.0.0.1:{worker_metrics}/metrics"
-        yield s
+    from nightjar.stack import metrics_port_of
+
+    base = free_port_run(4)  # one /metrics port per service: gateway, scheduler, planner, worker
+    # The environment's port would be the same for every service; the stack must override it.
+    os.environ["NIGHTJAR_METRICS_PORT"] = str(free_port())
+    try:
+        cfg = StackConfig(port=0, workers=1, worker_threads=1, io_nice=5, metrics_port=base)
+        with Stack(cfg) as s:
+            s.metrics = {name: f"http://127.0.0.1:{metrics_port_of(base, name)}/metrics"
+                         for name in ("gateway", "scheduler", "planner", "worker")}
+            yield s
+    finally:
+        del os.environ["NIGHTJAR_METRICS_PORT"]
+
+
+def free_port_run(n: int) -> int:
+    """The first of ``n`` consecutive free ports."""
+    import socket
+
+    for _ in range(100):
+        base = free_port()
+        socks = []
+        try:
+            for port in range(base, base + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
@@ -123,13 +149,13 @@ def test_docs_examples_on_the_real_stack(stack, monkeypatch, capsys):
 
 
 def test_metrics_after_known_traffic(stack):
-    before = scrape(stack.gateway_metrics)
+    before = scrape(stack.metrics["gateway"])
     n, max_tokens = 5, 6
     completions = []
     with Client(stack.address, timeout_s=120) as c:
         for i in range(n):
             completions.append(c.generate(PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens, ignore_eos=True))
-    after = scrape(stack.gateway_metrics)
+    after = scrape(stack.metrics["gateway"])
 
     def d(name: str) -> float:
         return total(after, name) - total(before, name)
@@ -143,8 +169,14 @@ def test_metrics_after_known_traffic(stack):
     reasons = {dict(k[1])["finished_reason"]: v - before.get(k, 0.0) for k, v in after.items()
                if k[0] == "nightjar_request_success_total"}
     assert reasons["length"] == n
+    # The scheduler's lease table was up: every job went straight into the worker's inbox.
+    assert after[("nightjar_dispatches_total", (("path", "direct"),))] - before.get(
+        ("nightjar_dispatches_total", (("path", "direct"),)), 0.0) == n
 
-    worker = scrape(stack.worker_metrics)
+    # Every service of the stack serves its own endpoint (one port each, not the env's one).
+    for name in ("scheduler", "planner"):
+        assert scrape(stack.metrics[name])
+    worker = scrape(stack.metrics["worker"])
     assert ("nightjar_gamma", ()) in worker
     assert worker[("nightjar_kv_cache_usage_perc", ())] >= 0.0
     assert total(worker, "nightjar_step_seconds_count") > 0

@@ -58,3 +58,18 @@ def test_demo_streams_a_completion_and_stops(tmp_path):
     assert out.stdout.startswith("import os\n")
     assert re.search(r"\d+ prompt \+ [1-8] completion tokens, finish (length|stop); TTFT", out.stdout), out.stdout
     assert "nightjar demo: stopped" in out.stderr
+
+
+def test_serve_gives_every_service_its_own_metrics_port(tmp_path, monkeypatch):
+    from nightjar.stack import metrics_port_of
+
+    monkeypatch.setenv("NIGHTJAR_METRICS_PORT", "9100")
+    p = argparse.ArgumentParser()
+    add_stack_args(p, port=50051)
+    cfg = stack_config(p.parse_args(["--workers", "2"]), p, log_dir=tmp_path)
+    assert cfg.metrics_port == 9100  # the environment's port is the base
+    ports = [metrics_port_of(9100, "gateway"), metrics_port_of(9100, "scheduler"), metrics_port_of(9100, "planner"),
+             metrics_port_of(9100, "worker", 0), metrics_port_of(9100, "worker", 1)]
+    assert ports == [9100, 9101, 9102, 9103, 9104]
+    with pytest.raises(SystemExit):  # no room above the base for every service
+        stack_config(p.parse_args(["--metrics-port", "65534"]), p)
