@@ -4,8 +4,9 @@ Through the scheduler a job waits for one more process to wake, read it and writ
 reaches the worker's inbox ~0.85 ms later, and the scheduler spends ~1 ms of CPU on every
 request (BENCHMARKS.md "Pipeline overhead"; on the 2-core VM the end-to-end TTFT gained only
 0.1-0.2 ms, the worker then sharing the CPU with the gateway). So the scheduler, still the one
-that decides who may take work, publishes a lease table instead: every ``heartbeat_check_s`` it writes each live worker's max_running and free KV
-blocks from its heartbeat, with a short TTL. The gateway's enqueue is one script that
+that decides who may take work, publishes a lease table instead: every ``heartbeat_check_s``
+it writes each live worker's max_running and free KV blocks from its heartbeat, with a short
+TTL. The gateway's enqueue is one script that
 
 - falls back to the requests stream (and so to the scheduler) when jobs are already waiting
   there (first come, first served), when there is no table (no scheduler for a TTL), or when

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     redis_note = "embedded Redis" if cfg.redis_url is None else cfg.redis_url
     print(f"nightjar: ready on {stack.address} ({redis_note} at {stack.redis_url}); Ctrl-C stops", file=sys.stderr)
     if cfg.metrics_port:
-        ports = ", ".join(f"{s.name} :{s.args[s.args.index('--metrics-port') + 1]}" for s in stack.services)
+        ports = ", ".join(f"{svc.name} :{svc.metrics_port}" for svc in stack.services)
         print(f"nightjar: /metrics on {ports}", file=sys.stderr)
     try:
         while not stop.wait(1.0):

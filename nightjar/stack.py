@@ -95,6 +95,7 @@ class Service:
     args: list[str]
     log_path: Path
     proc: subprocess.Popen | None = None
+    metrics_port: int = 0  # its /metrics port (0 = none)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -170,15 +171,16 @@ class Stack:
         n = sum(s.name == name for s in self.services)
         log_path = self.log_dir / f"{name}-{n}.log"
         full = [*args, "--redis-url", self.redis_url, "--key-prefix", self.cfg.key_prefix, "--log-level", self.cfg.log_level]
-        if self.cfg.metrics_port:
-            full += ["--metrics-port", str(metrics_port_of(self.cfg.metrics_port, name, n))]
+        metrics_port = metrics_port_of(self.cfg.metrics_port, name, n) if self.cfg.metrics_port else 0
+        if metrics_port:
+            full += ["--metrics-port", str(metrics_port)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         env.pop("NIGHTJAR_METRICS_PORT", None)  # the same port for every service would stop all but one
         with open(log_path, "ab") as log:
             proc = subprocess.Popen([*niced(0 if name == "worker" else self.cfg.io_nice), sys.executable, "-m", "nightjar.cli", name, *full],
                                     stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, cwd=str(paths.ROOT))
-        svc = Service(name, full, log_path, proc)
+        svc = Service(name, full, log_path, proc, metrics_port)
         self.services.append(svc)
         return svc
 

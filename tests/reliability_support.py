@@ -134,7 +134,7 @@ def respawn(stack: Stack, svc: Service) -> Service:
         proc = subprocess.Popen([sys.executable, "-m", "nightjar.cli", svc.name, *svc.args], stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **env},
                                 cwd=str(paths.ROOT))
-    new = Service(svc.name, list(svc.args), log_path, proc)
+    new = Service(svc.name, list(svc.args), log_path, proc, svc.metrics_port)
     stack.services.remove(svc)
     stack.services.append(new)
     return new
