@@ -47,13 +47,13 @@ BIG_GAMMA_BATCH = 2  # elastic engine: γ = 3 up to this batch size, then 0 (the
 
 def engine_for(args, kv_budget: int) -> Engine:
     return Engine(EngineConfig(target_path=args.target, draft_path=args.draft, kv_budget_bytes=kv_budget,
-                               num_threads=1, workspace_bytes=0, max_running=64))
+                               num_threads=1, workspace_bytes=0, max_running=64, device=args.device, dtype=args.dtype))
 
 
 def kv_budget_for_share(args) -> int:
     """KV pool bytes (target + draft) such that draft weights = share × pool."""
     probe = Engine(EngineConfig(target_path=args.target, draft_path=args.draft, kv_budget_bytes=8 << 20,
-                                num_threads=1, workspace_bytes=0))
+                                num_threads=1, workspace_bytes=0, device=args.device, dtype=args.dtype))
     draft_bytes = probe.memory.mover.nbytes
     return int(draft_bytes / args.draft_share)
 
@@ -102,8 +102,10 @@ def bench_capacity(eng: Engine, seq_tokens: int) -> dict:
     resident = eng.kv_blocks_total
     draft_kv = mem.parts().draft_kv
     eng.offload_draft()
+    mem.wait()  # on CUDA the copy is asynchronous: the pool grows when it is done
     offloaded = eng.kv_blocks_total
     eng.reload_draft()
+    mem.wait()
     tokens_per_draft = mem.mover.nbytes / (mem.target_bpb / bs)  # draft bytes ÷ KV bytes per token
     return {
         "block_size": bs, "target_kv_bytes_per_token": mem.target_bpb // bs, "draft_weight_bytes": mem.mover.nbytes,
@@ -200,7 +202,10 @@ def run_side_by_side(drivers: list[Driver]) -> None:
 
 def reset(eng: Engine, elastic: bool) -> None:
     eng.memory.set_directive_source(None)
-    assert eng.reload_draft() is None and eng.memory.state == "resident"
+    eng.memory.wait()
+    assert eng.reload_draft() is None
+    eng.memory.wait()
+    assert eng.memory.state == "resident"
     if elastic:
         eng.set_gamma_policy(lambda b: 3 if b <= BIG_GAMMA_BATCH else 0)
         eng.memory.set_directive_source(PressureRule())
@@ -234,6 +239,7 @@ def calibrate(resident: Engine, elastic: Engine, tok, cap: dict, prompt_tokens: 
     reset(resident, elastic=False)
     reset(elastic, elastic=False)
     elastic.offload_draft()
+    elastic.memory.wait()
     r, e = [], []
     for _ in range(2):
         r.append(decode_rate(resident, tok, cap["max_seqs_resident"], prompt_tokens))
@@ -297,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=str(ROOT / "docs" / "memory_timeline.png"))
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--skip-ramp", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 

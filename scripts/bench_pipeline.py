@@ -49,12 +49,12 @@ def prompts(n: int, chars: int) -> list[str]:
 class InProcess:
     """The engine driven directly, as a caller without the pipeline would."""
 
-    def __init__(self, target: Path, draft: Path | None, threads: int, gamma: int) -> None:
+    def __init__(self, target: Path, draft: Path | None, threads: int, gamma: int, device: str = "cpu") -> None:
         from worker.config import EngineConfig
         from worker.engine import Engine
 
         self.eng = Engine(EngineConfig(target_path=str(target), draft_path=str(draft) if draft else None,
-                                       num_threads=threads, default_gamma=gamma if draft else 0))
+                                       num_threads=threads, default_gamma=gamma if draft else 0, device=device))
         self.tok = self.eng.tokenizer
         self.n = 0
 
@@ -92,10 +92,11 @@ class EngineProcess:
     """InProcess in a child process of its own, so that the engine side runs in a process
     as bare as a worker's (no gRPC client, no event loop) and gets the CPU the same way."""
 
-    def __init__(self, draft: Path | None, threads: int, gamma: int) -> None:
+    def __init__(self, draft: Path | None, threads: int, gamma: int, device: str) -> None:
         import subprocess
 
-        args = [sys.executable, __file__, "--engine-child", "--threads", str(threads), "--gamma", str(gamma)]
+        args = [sys.executable, __file__, "--engine-child", "--threads", str(threads), "--gamma", str(gamma),
+                "--device", device]
         if draft is None:
             args.append("--no-draft")
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
@@ -122,7 +123,7 @@ class EngineProcess:
 def engine_child(a: argparse.Namespace) -> None:
     import json
 
-    local = InProcess(paths.DEFAULT_TARGET, None if a.no_draft else paths.DEFAULT_DRAFT, a.threads, a.gamma)
+    local = InProcess(paths.DEFAULT_TARGET, None if a.no_draft else paths.DEFAULT_DRAFT, a.threads, a.gamma, a.device)
     print("ready", flush=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -171,7 +172,7 @@ def start_stack(a: argparse.Namespace):
 
     return Stack(StackConfig(port=0, workers=1, planner=False, policy=stack_policy(a),
                              draft_path=None if a.no_draft else paths.DEFAULT_DRAFT,
-                             worker_threads=a.threads, io_nice=a.io_nice, log_level="WARNING",
+                             worker_threads=a.threads, io_nice=a.io_nice, log_level="WARNING", worker_args=("--device", a.device, *a.worker_arg),
                              gateway_args=("--no-direct-dispatch",) if a.via_scheduler else ())).start()
 
 
@@ -238,7 +239,7 @@ async def run(a: argparse.Namespace) -> None:
     print(f"starting the stack (1 worker, policy {policy}, {a.threads} torch thread(s)) and the in-process engine ...", file=sys.stderr)
     stack = start_stack(a)
     try:
-        local = EngineProcess(draft, a.threads, a.gamma)
+        local = EngineProcess(draft, a.threads, a.gamma, a.device)
         remote = ThroughStack(stack.address)
         await remote.ttft_ms(texts[0], 2)  # warm both paths (first gRPC call, first engine step)
         local.ttft_ms(texts[0], 2)
@@ -267,7 +268,7 @@ async def run(a: argparse.Namespace) -> None:
     # (measured to move either side by 20-30% across a minute on a shared VM).
     round_ratios = sorted(s / e for s, e in zip(stk_tps, eng_tps))
     print(f"\nPipeline overhead ({a.rounds} rounds, {a.ttft_samples} TTFT samples each, {a.streams} streams x {a.max_tokens} tokens, "
-          f"policy {policy}, {a.threads} thread(s), io_nice {a.io_nice}, "
+          f"policy {policy}, {a.device}, {a.threads} thread(s), io_nice {a.io_nice}, "
           f"{'through the scheduler' if a.via_scheduler else 'direct dispatch'}, cpu_count={os.cpu_count()})\n")
     print("| measure | engine in-process | through the stack | stack - engine / ratio | goal |")
     print("|---|---|---|---|---|")
@@ -350,7 +351,7 @@ def neighbour_load(a: argparse.Namespace) -> None:
     if (os.cpu_count() or 1) < 2:
         sys.exit("--neighbour-load needs two cores")
     os.sched_setaffinity(0, {1})
-    local = InProcess(paths.DEFAULT_TARGET, None if a.no_draft else paths.DEFAULT_DRAFT, a.threads, a.gamma)
+    local = InProcess(paths.DEFAULT_TARGET, None if a.no_draft else paths.DEFAULT_DRAFT, a.threads, a.gamma, a.device)
     texts = prompts(a.streams, a.prompt_chars)
     local.throughput(texts, a.max_tokens)
     tps: dict[str, list[float]] = {k: [] for k in _NEIGHBOURS}
@@ -385,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads for both the worker and the in-process engine")
     p.add_argument("--gamma", type=int, default=0, help="fixed γ on both sides (0 = plain decoding)")
     p.add_argument("--no-draft", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N], for the worker and the in-process engine alike")
+    p.add_argument("--worker-arg", action="append", default=[], help="extra worker argument (repeatable), e.g. --worker-arg=--engine-process")
     p.add_argument("--io-nice", type=int, default=0, help="the stack's io_nice (0 = every service at the engine's priority)")
     p.add_argument("--via-scheduler", action="store_true", help="turn the gateway's direct dispatch off")
     p.add_argument("--hops", type=int, default=0, help="time N sequential requests hop by hop instead (Redis MONITOR)")

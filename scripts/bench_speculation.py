@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                          "acceptance varies by prompt, and batch 1 would otherwise rest on one")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
     ap.add_argument("--kv-mib", type=int, default=768, help="KV budget: 64 sequences must grow without preemption")
     ap.add_argument("--out", default=str(ROOT / "planner_svc" / "cost_surfaces" / "cpu_tiny.json"))
     ap.add_argument("--plot", default=str(ROOT / "benchmarks" / "speculation_tokens_per_s.png"))
@@ -117,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     batches = [int(x) for x in args.batches.split(",")]
     gammas = list(range(args.gamma_max + 1))
-    eng = Engine(EngineConfig(target_path=args.target, draft_path=args.draft, num_threads=args.threads,
+    dev = {"device": args.device, "dtype": args.dtype}
+    eng = Engine(EngineConfig(target_path=args.target, draft_path=args.draft, num_threads=args.threads, **dev,
                               max_running=max(batches + [2]), gamma_max=args.gamma_max, kv_budget_bytes=args.kv_mib << 20,
                               max_batched_tokens=max(512, max(batches) * (args.gamma_max + 1))))
     measure_batch(eng, 2, [0, 2], 2, 1, args.prompt_tokens, args.temperature)  # warm-up
@@ -153,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     acceptance = [acc_num[i] / acc_den[i] if acc_den[i] else 0.0 for i in range(args.gamma_max)]
     fixed, per_token = fit_line(all_catchups)
     crossover = next((b for b, row in zip(batches, tps) if max(range(len(row)), key=row.__getitem__) == 0), None)
-    machine = (f"{platform.processor() or platform.machine()} {torch.get_num_threads()} torch thread(s), "
-               f"shared 2-core dev box, torch {torch.__version__}, {Path(args.target).name}+{Path(args.draft).name} fp32")
+    where = (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else
+             f"{platform.processor() or platform.machine()} {torch.get_num_threads()} torch thread(s), shared 2-core dev box")
+    machine = f"{where}, torch {torch.__version__}, {Path(args.target).name}+{Path(args.draft).name} {args.dtype}"
     surface = {"machine": machine, "batch_sizes": batches, "gammas": gammas, "step_ms": step_ms,
                "acceptance_per_position": acceptance, "catchup_ms_fixed": fixed, "catchup_ms_per_token": per_token,
                "tokens_per_s": tps, "crossover_batch_size": crossover,
@@ -168,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"batch-1 best γ speedup: {max(tps[0]) / tps[0][0]:.2f}x;  crossover (γ=0 best from) batch size: {crossover}")
     print(f"wrote {args.out}")
     # γ = 0 must cost nothing for having a draft loaded: the same steps on an engine without one
-    plain = Engine(EngineConfig(target_path=args.target, num_threads=args.threads, max_running=max(batches),
+    plain = Engine(EngineConfig(target_path=args.target, num_threads=args.threads, max_running=max(batches), **dev,
                                 kv_budget_bytes=args.kv_mib << 20,
                                 max_batched_tokens=max(512, max(batches) * (args.gamma_max + 1))))
     for b in [x for x in (1, 16) if x in batches]:
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")
         ax.set_ylabel("tokens/s relative to γ=0")
-        ax.set_title("Speculation speedup by batch size (tiny pair, CPU)")
+        ax.set_title(f"Speculation speedup by batch size (tiny pair, {'CPU' if args.device == 'cpu' else where})")
         ax.legend(ncol=4, fontsize=8)
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         fig.tight_layout()

@@ -1,5 +1,6 @@
-"""The worker service in this process (real engine thread, real redis-server); the test plays
-the scheduler (XADD to the inbox) and the gateway (reads the output stream, publishes cancels)."""
+"""The worker service in this process (real engine, in a thread or in a child process; real
+redis-server); the test plays the scheduler (XADD to the inbox) and the gateway (reads the
+output stream, publishes cancels)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ from worker.service_config import WorkerServiceConfig
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def svc(redis_server):
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=[False, True], ids=["engine-thread", "engine-process"])
+async def svc(redis_server, request):
     target, draft = pair()
     cfg = WorkerServiceConfig(redis_url=redis_server.url, key_prefix=f"w{uuid.uuid4().hex[:8]}", worker_id="w1",
                               target_path=Path(target), draft_path=Path(draft), default_gamma=2, num_threads=1,
-                              heartbeat_interval_s=0.2, heartbeat_ttl_s=1.0, cancel_poll_s=0.2)
+                              heartbeat_interval_s=0.2, heartbeat_ttl_s=1.0, cancel_poll_s=0.2,
+                              engine_process=request.param)
     redis = connect_redis(cfg.redis_url)
     service = WorkerService(cfg, redis)
     stop = asyncio.Event()

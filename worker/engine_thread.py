@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from nightjar.messages import SamplingParams, StepStats
+from worker.policy_view import PolicyView
 
 log = logging.getLogger("worker")
 
@@ -33,8 +35,18 @@ class Abort:
 
 
 @dataclass(frozen=True)
-class SetGammaPolicy:
-    fn: Callable[[int], int]  # batch size -> γ; called on the engine thread every step
+class FollowPolicy:
+    """γ from the planner's policy from now on: the engine thread keeps its own PolicyView
+    (plain data, so the command can cross to an engine process too)."""
+
+    worker_id: str
+    default_gamma: int
+    ttl_s: float | None
+
+
+@dataclass(frozen=True)
+class UpdatePolicy:
+    policy: Any  # nightjar.messages.Policy: adopted by the engine's view if newer than the one it holds
 
 
 @dataclass(frozen=True)
@@ -76,11 +88,12 @@ class EngineThread:
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.snapshot = Snapshot()  # written once before ``ready``; later snapshots travel in StepResults
+        self._view = None  # the engine thread's PolicyView, after FollowPolicy
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, command: Add | Abort | SetGammaPolicy | SetResidency) -> None:
+    def submit(self, command: Add | Abort | FollowPolicy | UpdatePolicy | SetResidency) -> None:
         self._commands.put(command)
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -147,8 +160,12 @@ class EngineThread:
                     engine.abort(cmd.request_id)
                 except (KeyError, ValueError):
                     pass  # already finished: nothing to free
-            elif isinstance(cmd, SetGammaPolicy):
-                engine.set_gamma_policy(cmd.fn)
+            elif isinstance(cmd, FollowPolicy):
+                view = self._view = PolicyView(cmd.worker_id, cmd.default_gamma, cmd.ttl_s)
+                engine.set_gamma_policy(lambda batch: view.gamma(batch, time.time()))
+            elif isinstance(cmd, UpdatePolicy):
+                if self._view is not None:
+                    self._view.update(cmd.policy)
             elif isinstance(cmd, SetResidency):
                 setter = getattr(engine, "set_draft_residency", None)
                 if setter is not None:

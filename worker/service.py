@@ -1,4 +1,5 @@
-"""The worker service: Redis on one side (asyncio), the engine thread on the other.
+"""The worker service: Redis on one side (asyncio), the engine loop on the other (a thread, or on
+CUDA a child process: worker/engine_proc.py).
 
 - inbox: XREADGROUP on its own inbox stream; a job is acknowledged only once its final chunk
   is written (a worker killed mid-request leaves it pending; the scheduler re-dispatches it);
@@ -7,7 +8,8 @@
 - cancels: pub/sub for speed, plus a periodic key check for messages missed while reconnecting;
 - heartbeat: a Heartbeat with a TTL every ``heartbeat_interval_s``; the first is sent only once
   the models are loaded, so the stack is ready exactly when a worker can take work;
-- policy: worker.policy_view follows the planner; the engine reads γ from it every step.
+- policy: worker.policy_view follows the planner; each new version goes to the engine, which
+  reads γ from its own view every step.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from nightjar import metrics as m
 from nightjar.keys import Keys
 from nightjar.messages import Cancel, DeadLetter, Heartbeat, Job, MessageError, OutputChunk
 from nightjar.service_util import now_ms
-from worker.engine_thread import Abort, Add, EngineThread, SetGammaPolicy, SetResidency, Snapshot, StepResult
+from worker.engine_thread import Abort, Add, EngineThread, FollowPolicy, SetResidency, Snapshot, StepResult, UpdatePolicy
 from worker.service_config import WorkerServiceConfig
 
 log = logging.getLogger("worker")
@@ -99,6 +101,7 @@ class WorkerService:
         self.cfg = cfg
         self.keys = Keys(cfg.key_prefix)
         self.redis = redis
+        self._injected = engine_factory  # tests hand in their own engines: those run in a thread
         self._factory = engine_factory or self._default_engine
         self._results: asyncio.Queue[StepResult] = asyncio.Queue()
         self.engine: EngineThread | None = None
@@ -119,7 +122,13 @@ class WorkerService:
     async def run(self, stop: asyncio.Event) -> None:
         self._stop = stop
         loop = asyncio.get_running_loop()
-        self.engine = EngineThread(self._factory, lambda r: loop.call_soon_threadsafe(self._results.put_nowait, r))
+        deliver = lambda r: loop.call_soon_threadsafe(self._results.put_nowait, r)  # noqa: E731
+        if self.cfg.use_engine_process and self._injected is None:
+            from worker.engine_proc import EngineProcess
+
+            self.engine = EngineProcess(self.cfg.engine_config(), deliver, log_level=self.cfg.log_level)
+        else:
+            self.engine = EngineThread(self._factory, deliver)
         self.engine.start()
         await asyncio.to_thread(self.engine.ready.wait)
         if self.engine.error is not None:
@@ -145,7 +154,7 @@ class WorkerService:
             except RedisError:
                 pass
         if self.engine.error is not None:
-            raise RuntimeError(f"the engine thread failed: {self.engine.error}") from self.engine.error
+            raise RuntimeError(f"the engine failed: {self.engine.error}") from self.engine.error
 
     async def _drain(self) -> None:
         self._accepting = False
@@ -260,7 +269,7 @@ class WorkerService:
             while not self._results.empty():  # fell behind: one round trip for several steps
                 results.append(self._results.get_nowait())
             if self.engine.error is not None:
-                log.error("the engine thread failed: %s; stopping so the scheduler re-dispatches", self.engine.error)
+                log.error("the engine failed: %s; stopping so the scheduler re-dispatches", self.engine.error)
                 self._accepting = False
                 self._stop.set()
                 return
@@ -383,9 +392,10 @@ class WorkerService:
         except ImportError:  # the planner's view is not installed: the engine keeps default γ
             log.warning("worker.policy_view missing: running with default gamma %d", self.cfg.default_gamma)
             return
+        # The engine keeps a view of its own (it may live in another process); this one decides
+        # residency and forwards each new policy.
         view = PolicyView(self.cfg.worker_id, self.cfg.default_gamma, self.cfg.policy_ttl_s)
-        # Called on the engine thread each step; the view swaps whole policies, never mutates one.
-        self.engine.submit(SetGammaPolicy(lambda batch: view.gamma(batch, time.time())))
+        self.engine.submit(FollowPolicy(self.cfg.worker_id, self.cfg.default_gamma, self.cfg.policy_ttl_s))
         follower = asyncio.create_task(follow_policy(self.redis, self.keys, view, stop))
         residency = None
         try:
@@ -395,6 +405,7 @@ class WorkerService:
                     self.engine.submit(SetResidency(wanted))
                     residency = wanted
                 if view.version != self._policy_version and view.policy is not None:
+                    self.engine.submit(UpdatePolicy(view.policy))
                     m.observe_policy(view.policy)
                 self._policy_version = view.version
                 await asyncio.sleep(0.1)

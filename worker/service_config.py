@@ -33,6 +33,10 @@ class WorkerServiceConfig:
     default_gamma: int = 0  # γ while no fresh policy is known (0 = safe under any load)
     policy_ttl_s: float = 10.0  # a policy older than this is ignored (default γ instead)
     num_threads: int | None = None  # torch CPU threads
+    # The engine loop in a child process instead of a thread (worker/engine_proc.py): on a GPU
+    # the step is Python launching kernels and would share the GIL with the Redis side.
+    # None = a process on CUDA, a thread on the CPU (where the matrix work releases the GIL).
+    engine_process: bool | None = None
     heartbeat_interval_s: float = 0.5
     heartbeat_ttl_s: float = 2.0  # the scheduler declares the worker dead this long after its last beat
     cancel_poll_s: float = 1.0  # key check for cancels missed on the channel (e.g. during a reconnect)
@@ -61,6 +65,10 @@ class WorkerServiceConfig:
         for name in ("max_running", "stats_maxlen", "read_count"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def use_engine_process(self) -> bool:
+        return self.device.startswith("cuda") if self.engine_process is None else self.engine_process
 
     @property
     def model_name(self) -> str:
