@@ -29,6 +29,9 @@ def add_stack_args(p: argparse.ArgumentParser, *, port: int) -> None:
     p.add_argument("--draft", type=Path, default=paths.DEFAULT_DRAFT, help="draft model folder")
     p.add_argument("--no-draft", action="store_true", help="serve without a draft model (no speculation)")
     p.add_argument("--no-planner", action="store_true", help="run no planner (workers keep their default γ)")
+    p.add_argument("--device", default="cpu", help="the workers' device: cpu or cuda[:N] (on CUDA each worker runs its "
+                   "engine loop in a child process)")
+    p.add_argument("--dtype", default="float32", help="the workers' weights and KV cache: float32, bfloat16, float16")
     p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: (cores - 1) / workers, at least 1)")
     p.add_argument("--io-nice", type=int, default=StackConfig.io_nice,
                    help="niceness added to every service but the workers (default 0: equal priority; see docs/pipeline.md)")
@@ -40,10 +43,21 @@ def add_stack_args(p: argparse.ArgumentParser, *, port: int) -> None:
 
 
 def stack_config(a: argparse.Namespace, p: argparse.ArgumentParser, **overrides) -> StackConfig:
+    # the workers would refuse these too, but only after the stack started: say it here, naming the flag
+    if not (a.device == "cpu" or a.device.startswith("cuda")):
+        p.error(f"--device {a.device!r}: use cpu or cuda[:N]")
+    if a.dtype not in ("float32", "bfloat16", "float16"):
+        p.error(f"--dtype {a.dtype!r}: use float32, bfloat16 or float16")
+    if a.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error(f"--device {a.device}: torch sees no CUDA device on this machine")
     fields = dict(port=a.port, host=a.host, workers=a.workers, redis_url=a.redis_url, key_prefix=a.key_prefix,
                   policy=a.policy, planner=not a.no_planner, target_path=a.target,
                   draft_path=None if a.no_draft else a.draft, worker_threads=a.worker_threads,
-                  io_nice=a.io_nice, log_dir=a.log_dir, log_level=a.log_level, metrics_port=a.metrics_port)
+                  io_nice=a.io_nice, log_dir=a.log_dir, log_level=a.log_level, metrics_port=a.metrics_port,
+                  worker_args=("--device", a.device, "--dtype", a.dtype))
     try:
         return StackConfig(**{**fields, **overrides})
     except ValueError as exc:

@@ -100,6 +100,21 @@ class Service:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def rss_bytes(self) -> int:
+        """Resident memory of the service's process and its children (a worker on CUDA runs its
+        engine in a child process), from /proc (Linux)."""
+        total, todo = 0, [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    todo.extend(int(c) for c in (task / "children").read_text().split())
+            except OSError:  # exited meanwhile
+                continue
+            total += next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+        return total
+
     def log_tail(self, n: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])

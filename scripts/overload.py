@@ -68,13 +68,7 @@ def gateway_waiting(metrics_port: int) -> int:
 
 
 def rss_mb(stack: Stack) -> dict[str, float]:
-    out = {}
-    for s in stack.services:
-        if s.alive():
-            for line in Path(f"/proc/{s.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    out[f"{s.name}-{s.proc.pid}"] = int(line.split()[1]) / 1024
-    return out
+    return {f"{s.name}-{s.proc.pid}": s.rss_bytes() / 2**20 for s in stack.services if s.alive()}
 
 
 async def measure_capacity(stack: Stack, max_tokens: int, seconds: float = 8.0, concurrency: int = 16) -> float:

@@ -62,13 +62,6 @@ class SoakReport:
     services_died: list[str] = field(default_factory=list)
 
 
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def redis_view(stack: Stack) -> tuple[int, float]:
     import redis
 
@@ -107,7 +100,7 @@ async def replay(stack: Stack, arrivals: np.ndarray, prompts: list[str], max_tok
             now = time.monotonic() - t0
             for s in stack.services:
                 if s.alive():
-                    samples.setdefault(f"{s.name}-{s.proc.pid}", []).append((now, rss_mb(s.proc.pid)))
+                    samples.setdefault(f"{s.name}-{s.proc.pid}", []).append((now, s.rss_bytes() / 2**20))
             await asyncio.sleep(sample_every_s)
 
     async with AsyncClient(stack.address) as c:

@@ -140,17 +140,7 @@ def respawn(stack: Stack, svc: Service) -> Service:
     return new
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a process, from /proc (Linux)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
-
-def service_rss(stack: Stack) -> dict[str, int]:
-    """RSS per live service process, keyed 'name-pid'."""
-    return {f"{s.name}-{s.proc.pid}": rss_bytes(s.proc.pid) for s in stack.services if s.alive()}
 
 
 def dead_services(stack: Stack) -> list[str]:

@@ -26,6 +26,15 @@ def test_serve_flags_build_a_validated_config(tmp_path):
     assert stack_config(a, p).default_gamma == 2  # the workers' fallback is the fixed policy's γ
     with pytest.raises(SystemExit):  # argparse error naming the flag
         stack_config(p.parse_args(["--workers", "0"]), p)
+    assert stack_config(p.parse_args(["--dtype", "bfloat16"]), p).worker_args == ("--device", "cpu", "--dtype", "bfloat16")
+    for bad in (["--device", "tpu"], ["--dtype", "int8"]):
+        with pytest.raises(SystemExit):
+            stack_config(p.parse_args(bad), p)
+    import torch
+
+    if not torch.cuda.is_available():  # said before any service starts, not from a worker's log
+        with pytest.raises(SystemExit):
+            stack_config(p.parse_args(["--device", "cuda"]), p)
 
 
 @pytest.mark.parametrize("service, argv, field, value", [
@@ -73,3 +82,30 @@ def test_serve_gives_every_service_its_own_metrics_port(tmp_path, monkeypatch):
     assert ports == [9100, 9101, 9102, 9103, 9104]
     with pytest.raises(SystemExit):  # no room above the base for every service
         stack_config(p.parse_args(["--metrics-port", "65534"]), p)
+
+
+def test_a_service_rss_counts_its_child_processes(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from nightjar.stack import Service
+
+    child = "b = bytearray(200 << 20); import time; time.sleep(60)"  # 200 MiB, zero-filled: resident
+    parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)
+    svc = Service("worker", [], tmp_path / "log", proc)
+    try:
+        own = 0
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            own = int(next(x for x in open(f"/proc/{proc.pid}/status") if x.startswith("VmRSS:")).split()[1]) * 1024
+            if svc.rss_bytes() - own > 190 << 20:
+                break
+            time.sleep(0.1)
+        assert svc.rss_bytes() - own > 190 << 20  # the child's 200 MiB counted with the service
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
