@@ -3,9 +3,10 @@
 Why: on a GPU a small model's decode step is mostly Python launching kernels, so an engine
 thread holds the GIL for nearly the whole step, and the worker's asyncio side (inbox, output
 chunks, stats: ~2 ms of Python per step at 32 streams) only runs by stopping it. On an H200
-the stack's steps were 26% slower than the same engine's in-process (8.4 vs 6.4 ms). vLLM's V1
-moved its EngineCore into a process of its own for the same reason. On a CPU the matrix work
-releases the GIL, and a thread is enough.
+the stack's steps were 1.26-1.63x slower than the same engine's in-process with a thread, and
+as fast with this process (BENCHMARKS.md, Pipeline overhead). vLLM's V1 moved its EngineCore
+into a process of its own for the same reason. On a CPU the matrix work releases the GIL, and
+a thread is enough.
 
 The child runs the same loop as EngineThread (worker/engine_thread.py) and talks to the
 service over its stdin and stdout: length-prefixed msgpack frames, one per command and one

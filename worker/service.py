@@ -27,6 +27,7 @@ from nightjar import metrics as m
 from nightjar.keys import Keys
 from nightjar.messages import Cancel, DeadLetter, Heartbeat, Job, MessageError, OutputChunk
 from nightjar.service_util import now_ms
+from worker.engine_proc import EngineProcess
 from worker.engine_thread import Abort, Add, EngineThread, FollowPolicy, SetResidency, Snapshot, StepResult, UpdatePolicy
 from worker.service_config import WorkerServiceConfig
 
@@ -104,7 +105,7 @@ class WorkerService:
         self._injected = engine_factory  # tests hand in their own engines: those run in a thread
         self._factory = engine_factory or self._default_engine
         self._results: asyncio.Queue[StepResult] = asyncio.Queue()
-        self.engine: EngineThread | None = None
+        self.engine: EngineThread | EngineProcess | None = None
         self.active: dict[str, Active] = {}  # owned by the event loop
         self.snapshot = Snapshot()
         self.started_ms = now_ms()
@@ -124,8 +125,6 @@ class WorkerService:
         loop = asyncio.get_running_loop()
         deliver = lambda r: loop.call_soon_threadsafe(self._results.put_nowait, r)  # noqa: E731
         if self.cfg.use_engine_process and self._injected is None:
-            from worker.engine_proc import EngineProcess
-
             self.engine = EngineProcess(self.cfg.engine_config(), deliver, log_level=self.cfg.log_level)
         else:
             self.engine = EngineThread(self._factory, deliver)
