@@ -18,6 +18,7 @@ SIGKILL does not leave an engine holding the GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import struct
@@ -29,7 +30,9 @@ from typing import IO, Any, Callable
 import msgpack
 
 from nightjar.messages import Policy, SamplingParams, StepStats
-from worker.engine_thread import Abort, Add, FollowPolicy, SetResidency, Snapshot, StepResult, UpdatePolicy
+from worker.config import EngineConfig
+from worker.engine import Engine, RequestOutput
+from worker.engine_thread import Abort, Add, EngineThread, FollowPolicy, SetResidency, Snapshot, StepResult, UpdatePolicy
 
 log = logging.getLogger("worker")
 
@@ -92,13 +95,12 @@ def decode_command(frame: list):
     raise ValueError(f"unknown engine command {kind!r}")
 
 
-def _snapshot_wire(s: Snapshot) -> list:
-    return [s.running, s.waiting, s.kv_blocks_free, s.kv_blocks_total, s.gamma, s.draft_residency,
-            s.max_context_tokens, [list(p) for p in s.memory_bytes]]
+def _snapshot_wire(s: Snapshot) -> dict:
+    return dataclasses.asdict(s)
 
 
-def _snapshot(w: list) -> Snapshot:
-    return Snapshot(*w[:7], memory_bytes=tuple((str(k), int(v)) for k, v in w[7]))
+def _snapshot(w: dict) -> Snapshot:
+    return Snapshot(**{**w, "memory_bytes": tuple((str(k), int(v)) for k, v in w["memory_bytes"])})
 
 
 def encode_result(r: StepResult) -> list:
@@ -109,8 +111,6 @@ def encode_result(r: StepResult) -> list:
 
 
 def decode_result(frame: list) -> StepResult:
-    from worker.engine import RequestOutput
-
     _, outs, stats, rejected, snap = frame
     return StepResult(outputs=[RequestOutput(*o) for o in outs], stats=StepStats.decode(stats) if stats else None,
                       rejected=[(a, b) for a, b in rejected], snapshot=_snapshot(snap))
@@ -122,9 +122,7 @@ def decode_result(frame: list) -> StepResult:
 class EngineProcess:
     """Starts ``python -m worker.engine_proc`` with ``engine_config`` and relays its frames."""
 
-    def __init__(self, engine_config, deliver: Callable[[StepResult], None], log_level: str = "INFO") -> None:
-        import dataclasses
-
+    def __init__(self, engine_config: EngineConfig, deliver: Callable[[StepResult], None], log_level: str = "INFO") -> None:
         self._start_frame = ["start", dataclasses.asdict(engine_config), log_level]
         self._deliver = deliver
         self._proc: subprocess.Popen | None = None
@@ -201,9 +199,6 @@ class EngineProcess:
 
 
 def child_main() -> int:
-    from worker.config import EngineConfig
-    from worker.engine_thread import EngineThread
-
     rfile, wfile = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # a stray print must not tear a frame
     start = read_frame(rfile)
@@ -225,8 +220,6 @@ def child_main() -> int:
             send(["error", f"{type(engine.error).__name__}: {engine.error}"])
         else:
             send(encode_result(result))
-
-    from worker.engine import Engine
 
     engine = EngineThread(lambda: Engine(EngineConfig(**cfg)), deliver)
     engine.start()
