@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")
         ax.set_ylabel("tokens/s relative to γ=0")
-        ax.set_title(f"Speculation speedup by batch size (tiny pair, {'CPU' if args.device == 'cpu' else where})")
+        ax.set_title(f"Speculation speedup by batch size ({Path(args.target).name} + {Path(args.draft).name}, "
+                     f"{'CPU' if args.device == 'cpu' else where})")
         ax.legend(ncol=4, fontsize=8)
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         fig.tight_layout()

@@ -336,10 +336,11 @@ def test_kv_budget_makes_the_draft_the_asked_share():
 
 def test_markdown_runs_rows_match_the_header():
     recs = [_rec(0, 0.0, 0.5, 2.5, 21)]
-    run = {**report.summarize(LoadResult("x", "burst", 0.0, 3.0, recs)), "policy": "nightjar", "loadavg_1m": 3.2}
+    run = {**report.summarize(LoadResult("x", "burst", 0.0, 3.0, recs)), "policy": "nightjar", "loadavg_1m": 3.2,
+           "speed_probe_ms": 11.04}
     table = report.markdown_runs([run]).splitlines()
     assert len(table) == 3 and len({line.count("|") for line in table}) == 1
-    assert "| burst | nightjar | 1 | 1/1 |" in table[2] and table[2].endswith("| 3.2 |")
+    assert "| burst | nightjar | 1 | 1/1 |" in table[2] and table[2].endswith("| 3.2 | 11.0 |")
 
 
 def test_plots_copy_only_the_headline_timelines(tmp_path):
@@ -371,3 +372,33 @@ def test_merge_turns_result_files_into_repeats():
     other["calibration"]["capacity_rps"] = 3.0
     with pytest.raises(ValueError, match="--calibration"):
         merge_payloads([payload(130), other])
+
+
+def test_bench_gives_the_workers_its_models_and_sizes_the_budget_by_that_draft(tmp_path):
+    from nightjar.bench.cli import parser
+    from engine_support import ROOT  # noqa: F401  (puts scripts/ on the path)
+    from nightjar.bench.compare import CompareConfig, WorkloadPlan, draft_weight_bytes, kv_budget_for_share
+    from widen_model import widen
+
+    draft = widen(paths.DEFAULT_DRAFT, tmp_path / "wide-draft", factor=2)
+    assert draft_weight_bytes(draft) > draft_weight_bytes()  # the budget follows the draft given
+    assert kv_budget_for_share(0.5, draft) == draft_weight_bytes(draft) * 2
+    a = parser().parse_args(["--draft-model", str(draft), "--worker-arg=--max-running=8"])
+    assert a.draft_model == draft and a.target_model == paths.DEFAULT_TARGET
+    cfg = CompareConfig(policies=("off",), workloads=(WorkloadPlan("burst", 1.0),), out_dir=tmp_path,
+                        draft_model=draft, worker_args=("--target", "/elsewhere"), kv_budget_bytes=1 << 20)
+    args = list(cfg.stack_config("off", tmp_path).worker_args)
+    assert args[args.index("--draft") + 1] == str(draft)
+    # the models first, so an explicit --worker-arg=--target=... still wins (argparse keeps the last)
+    assert [args[i + 1] for i, x in enumerate(args) if x == "--target"] == [str(paths.DEFAULT_TARGET), "/elsewhere"]
+    assert args[-2:] == ["--kv-budget-bytes", str(1 << 20)]
+
+
+def test_odd_repeats_reverse_the_policy_order_so_a_steady_drift_cancels():
+    from nightjar.bench.compare import policy_order, speed_probe_ms
+
+    pols = ("off", "fixed:4", "nightjar")
+    assert [policy_order(pols, r) for r in range(3)] == [pols, pols[::-1], pols]
+    # each policy's mean position over a pair of repeats is the same: a linear drift favours none
+    assert len({policy_order(pols, 0).index(p) + policy_order(pols, 1).index(p) for p in pols}) == 1
+    assert 0 < speed_probe_ms(rounds=3) < 10_000

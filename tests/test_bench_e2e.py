@@ -22,8 +22,9 @@ def test_bench_runs_against_a_real_stack(tmp_path):
     data = json.loads((out / "results.json").read_text())
     (run,) = data["runs"]
     assert run["policy"] == "fixed:2" and run["sent"] >= 1
+    assert data["config"]["draft_model"].endswith("tiny-draft") and data["config"]["draft_weight_bytes"] > 0
     assert run["ok"] == run["sent"], run["errors"]
-    assert run["output_tokens"] > 0 and run["ttft_s"]["mean"] > 0
+    assert run["output_tokens"] > 0 and run["ttft_s"]["mean"] > 0 and run["speed_probe_ms"] > 0
     engine = run["engine"]
     assert engine["steps"] > 0 and engine["emitted_tokens"] >= run["output_tokens"]
     assert engine["spec_step_share"] > 0  # the planner's fixed γ = 2 reached the worker

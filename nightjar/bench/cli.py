@@ -16,6 +16,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from nightjar import paths
+
 # The static table (each entry: γ up to that batch size) is the offline sweep's best γ ≤ 4 (the
 # planner's γmax) per batch size (BENCHMARKS.md, Speculation: scripts/bench_speculation.py on
 # this pair), i.e. vLLM's table tuned as well as a profiling run can: the strongest static
@@ -59,6 +61,9 @@ def parser() -> argparse.ArgumentParser:
                    help="size the worker's KV budget so the draft's weights are this share of it (the memory work's "
                         "overload scenario); 0 = the engine's default budget")
     p.add_argument("--kv-budget-bytes", type=int, default=None, help="worker KV budget in bytes (overrides --draft-share)")
+    p.add_argument("--target-model", type=Path, default=paths.DEFAULT_TARGET, help="the workers' target model folder")
+    p.add_argument("--draft-model", type=Path, default=paths.DEFAULT_DRAFT,
+                   help="the workers' draft model folder (--draft-share is of its weights)")
     p.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker (1 avoids OpenMP stalls on a busy machine)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker argument (repeatable), e.g. --worker-arg=--max-running=32")
     p.add_argument("--capacity-rps", type=float, default=None, help="skip the capacity probe")
@@ -114,13 +119,14 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
         from nightjar.bench.compare import kv_budget_for_share
 
         try:
-            kv_budget = kv_budget_for_share(a.draft_share)
+            kv_budget = kv_budget_for_share(a.draft_share, a.draft_model)
         except ValueError as exc:
             p.error(str(exc))
     try:
         cfg = CompareConfig(policies=policies, workloads=workloads, out_dir=out, seed=a.seed, scale=scale,
                             drain_timeout_s=a.drain_timeout_s or (15.0 if a.quick else 20.0), kv_budget_bytes=kv_budget,
-                            worker_args=tuple(a.worker_arg), worker_threads=a.worker_threads, capacity_rps=capacity, fixed_gamma=fixed_gamma,
+                            worker_args=tuple(a.worker_arg), target_model=a.target_model, draft_model=a.draft_model,
+                            worker_threads=a.worker_threads, capacity_rps=capacity, fixed_gamma=fixed_gamma,
                             capacity_probe_s=12.0 if a.quick else 20.0, repeats=a.repeats, progress=not a.no_progress)
     except ValueError as exc:
         p.error(str(exc))

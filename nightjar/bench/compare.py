@@ -69,6 +69,8 @@ class CompareConfig:
     kv_budget_bytes: int | None = None  # the worker's KV budget (the memory overload scenario's)
     worker_args: tuple[str, ...] = ()
     planner_args: tuple[str, ...] = ()
+    target_model: Path = paths.DEFAULT_TARGET
+    draft_model: Path = paths.DEFAULT_DRAFT
     workers: int = 1
     # torch threads per worker. 1, not cores ÷ workers: on a shared 2-core machine two OpenMP
     # threads that wait on each other's barrier made a step 13× slower (measured: 25 ms -> 340 ms).
@@ -96,7 +98,7 @@ class CompareConfig:
             raise ValueError(f"--capacity-rps must be > 0, got {self.capacity_rps}")
 
     def stack_config(self, policy: str, log_dir: Path, planner: bool = True) -> StackConfig:
-        args = list(self.worker_args)
+        args = ["--target", str(self.target_model), "--draft", str(self.draft_model), *self.worker_args]
         if self.kv_budget_bytes:
             args += ["--kv-budget-bytes", str(self.kv_budget_bytes)]
         # Same exploration seed for every learning policy, so a rerun repeats its choices.
@@ -104,6 +106,32 @@ class CompareConfig:
         return StackConfig(port=0, workers=self.workers, policy=policy, planner=planner, worker_args=tuple(args),
                            worker_threads=self.worker_threads,
                            planner_args=planner_args, log_dir=log_dir, log_level="WARNING")
+
+
+def policy_order(policies: tuple[str, ...], rep: int) -> tuple[str, ...]:
+    """The policies in the order repeat ``rep`` runs them. Repeats interleave the policies, so a
+    change in the machine's load hits them all alike; odd repeats run them in reverse, so that a
+    steady drift in the machine's speed (seen: 1.3× slower steps 15 min later) cancels out of the
+    repeat-averaged ratios instead of favouring whoever runs first."""
+    return policies if rep % 2 == 0 else policies[::-1]
+
+
+def speed_probe_ms(rounds: int = 7) -> float:
+    """Median ms of a fixed CPU task (a Python loop and small float32 matmuls, like a small
+    model's decode step), taken while the stack is idle: a run's figure for how fast the machine
+    was, since fresh stacks on a shared machine differ by more than the policies do."""
+    a = np.ones((32, 256), np.float32)  # small enough that BLAS stays on one thread
+    b = np.ones((256, 256), np.float32)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        x = 0
+        for i in range(100_000):
+            x += i & 7
+        for _ in range(50):
+            a @ b
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
 
 
 def draft_weight_bytes(model_dir: Path = paths.DEFAULT_DRAFT, dtype_bytes: int = 4) -> int:
@@ -276,7 +304,8 @@ class Comparison:
         kinds = {w.spec: w.kind for w in self.cfg.workloads}
         return {"config": {"policies": self.cfg.policies, "workloads": [(w.spec, w.duration_s) for w in self.cfg.workloads],
                            "seed": self.cfg.seed, "scale": self.cfg.scale.__dict__, "kv_budget_bytes": self.cfg.kv_budget_bytes,
-                           "draft_weight_bytes": draft_weight_bytes(),
+                           "target_model": str(self.cfg.target_model), "draft_model": str(self.cfg.draft_model),
+                           "draft_weight_bytes": draft_weight_bytes(self.cfg.draft_model),
                            "drain_timeout_s": self.cfg.drain_timeout_s, "workers": self.cfg.workers,
                            "worker_threads": self.cfg.worker_threads, "worker_args": self.cfg.worker_args},
                 "started_unix": self.started_unix, "calibration": self.calibration, "stack_start_s": self.stack_start_s,
@@ -330,8 +359,7 @@ async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
         plan_workloads()
     gamma = cal["fixed_gamma"]
     for rep in range(cfg.repeats):
-        # Repeats interleave the policies, so a change in the machine's load hits them all alike.
-        for spec in cfg.policies:
+        for spec in policy_order(cfg.policies, rep):
             policy = resolve_policy(spec, gamma)
             await _one_policy(cmp, cfg, policy, rep, bank, workloads, prompts, plan_workloads, log)
     return cmp
@@ -353,10 +381,11 @@ async def _one_policy(cmp: Comparison, cfg: CompareConfig, policy: str, rep: int
             if not await wait_idle(stack):
                 log(f"policy {policy}: the stack was still busy after 30 s; starting {plan.spec} anyway")
             log(f"policy {policy} (repeat {rep + 1}/{cfg.repeats}): workload {plan.spec} ({len(wl)} requests over {plan.duration_s:.0f} s)")
+            speed = speed_probe_ms()
             result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | {plan.spec}")
             run = report.summarize(result, steps)
             # The machine is shared: its load average says how noisy this run's figures are.
-            run.update(policy=policy, kind=plan.kind, repeat=rep, loadavg_1m=os.getloadavg()[0])
+            run.update(policy=policy, kind=plan.kind, repeat=rep, loadavg_1m=os.getloadavg()[0], speed_probe_ms=speed)
             cmp.runs.append(run)
             cmp.samples[f"{policy}|{plan.spec}" + (f"|r{rep}" if rep else "")] = result.samples
             report.write_json(cfg.out_dir / "results.json", cmp.payload())

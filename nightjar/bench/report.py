@@ -150,7 +150,7 @@ def _f(x: float | None, digits: int = 2, scale: float = 1.0) -> str:
 
 def markdown_runs(runs: list[dict]) -> str:
     head = ("| workload | policy | rep | ok/sent | tok/s | req/s | TTFT mean / p50 / p99 (s) | ITL mean / p50 / p99 (ms) "
-            "| e2e mean / p50 / p99 (s) | γ switches | offloads | acceptance | mean batch | load avg |")
+            "| e2e mean / p50 / p99 (s) | γ switches | offloads | acceptance | mean batch | load avg | speed probe (ms) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in runs:
         e = r.get("engine") or {}
@@ -159,7 +159,8 @@ def markdown_runs(runs: list[dict]) -> str:
             f"| {r['workload']} | {r['policy']} | {r.get('repeat', 0) + 1} | {r['ok']}/{r['sent']} | {_f(r['tokens_per_s'], 1)} | {_f(r['requests_per_s'], 3)} "
             f"| {_f(t['mean'])} / {_f(t['p50'])} / {_f(t['p99'])} | {_f(i['mean'], 0, 1e3)} / {_f(i['p50'], 0, 1e3)} / {_f(i['p99'], 0, 1e3)} "
             f"| {_f(l['mean'])} / {_f(l['p50'])} / {_f(l['p99'])} | {e.get('gamma_switches', '–')} | {e.get('offloads', '–')} "
-            f"| {_f(e.get('acceptance'))} | {_f(e.get('mean_batch'), 1)} | {_f(r.get('loadavg_1m'), 1)} |")
+            f"| {_f(e.get('acceptance'))} | {_f(e.get('mean_batch'), 1)} | {_f(r.get('loadavg_1m'), 1)} "
+            f"| {_f(r.get('speed_probe_ms'), 1)} |")
     return "\n".join(lines)
 
 
