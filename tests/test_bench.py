@@ -387,11 +387,10 @@ def test_bench_gives_the_workers_its_models_and_sizes_the_budget_by_that_draft(t
     assert a.draft_model == draft and a.target_model == paths.DEFAULT_TARGET
     cfg = CompareConfig(policies=("off",), workloads=(WorkloadPlan("burst", 1.0),), out_dir=tmp_path,
                         draft_model=draft, worker_args=("--target", "/elsewhere"), kv_budget_bytes=1 << 20)
-    args = list(cfg.stack_config("off", tmp_path).worker_args)
-    assert args[args.index("--draft") + 1] == str(draft)
-    # the models first, so an explicit --worker-arg=--target=... still wins (argparse keeps the last)
-    assert [args[i + 1] for i, x in enumerate(args) if x == "--target"] == [str(paths.DEFAULT_TARGET), "/elsewhere"]
-    assert args[-2:] == ["--kv-budget-bytes", str(1 << 20)]
+    stack = cfg.stack_config("off", tmp_path)
+    assert stack.draft_path == draft and stack.target_path == paths.DEFAULT_TARGET
+    # the Stack puts worker_args after the models, so an explicit --worker-arg=--target=... still wins
+    assert list(stack.worker_args) == ["--target", "/elsewhere", "--kv-budget-bytes", str(1 << 20)]
 
 
 def test_odd_repeats_reverse_the_policy_order_so_a_steady_drift_cancels():

@@ -98,12 +98,13 @@ class CompareConfig:
             raise ValueError(f"--capacity-rps must be > 0, got {self.capacity_rps}")
 
     def stack_config(self, policy: str, log_dir: Path, planner: bool = True) -> StackConfig:
-        args = ["--target", str(self.target_model), "--draft", str(self.draft_model), *self.worker_args]
+        args = list(self.worker_args)
         if self.kv_budget_bytes:
             args += ["--kv-budget-bytes", str(self.kv_budget_bytes)]
         # Same exploration seed for every learning policy, so a rerun repeats its choices.
         planner_args = ("--seed", str(self.seed), *self.planner_args)
         return StackConfig(port=0, workers=self.workers, policy=policy, planner=planner, worker_args=tuple(args),
+                           target_path=self.target_model, draft_path=self.draft_model,
                            worker_threads=self.worker_threads,
                            planner_args=planner_args, log_dir=log_dir, log_level="WARNING")
 
