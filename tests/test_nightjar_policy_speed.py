@@ -14,22 +14,24 @@ import numpy as np
 
 from planner_svc.policies.base import bucket_index
 from planner_svc.policies.nightjar import NightjarPolicy, _Timeline
-from planner_svc.policies.step_cost_model import StepCostModel, _Curve
+from planner_svc.policies.step_cost_model import StepCostModel, _Curve, _isotonic
 
 
 def _reference_curve_predict(curve: _Curve, x: np.ndarray) -> np.ndarray:
     """_Curve.predict from scratch: knots from the weights, both extrapolations always applied."""
     weight, mean = np.array(curve.weight), np.array(curve.mean)
     xp = np.flatnonzero(weight)
-    fp = mean[xp]
+    fitted = np.zeros_like(mean)
+    fitted[xp] = _isotonic(mean[xp].tolist(), weight[xp].tolist())  # checked on its own below
+    fp = fitted[xp]
     top_x, top_v, low_x, low_v = xp[-1], fp[-1], xp[0], fp[0]
     if len(xp) >= 2:
         lo = xp[np.searchsorted(xp, top_x // 2, side="left")]
         lo = lo if lo < top_x else xp[-2]
-        top_slope = (top_v - mean[lo]) / (top_x - lo)
+        top_slope = (top_v - fitted[lo]) / (top_x - lo)
         hi = xp[np.searchsorted(xp, 2 * low_x, side="right") - 1]
         hi = hi if hi > low_x else xp[1]
-        low_slope = (mean[hi] - low_v) / (hi - low_x)
+        low_slope = (fitted[hi] - low_v) / (hi - low_x)
     else:
         top_slope = low_slope = 0.5 * top_v / top_x
     top_slope = min(max(top_slope, 0.0), top_v / top_x)
@@ -71,6 +73,23 @@ def _observe_noisy_roofline(model: StepCostModel, rng: random.Random, steps: int
             model.observe_mixed(b, g, 0.3 * g, verify + 0.05 * 100, prefill_tokens=100)
         else:
             model.observe(b, g, 0.3 * g * rng.uniform(0.8, 1.2), verify)
+
+
+def test_isotonic_fit_is_the_weighted_max_min_of_averages():
+    rng = random.Random(3)
+    for n in (1, 2, 5, 17):
+        ys = [rng.uniform(0, 10) for _ in range(n)]
+        ws = [rng.choice([1.0, 4.0, 64.0]) for _ in range(n)]
+        got = _isotonic(ys, ws)
+
+        def avg(j, k):
+            return sum(y * w for y, w in zip(ys[j:k + 1], ws[j:k + 1])) / sum(ws[j:k + 1])
+
+        # the closed form of the least-squares non-decreasing fit
+        want = [max(min(avg(j, k) for k in range(i, n)) for j in range(i + 1)) for i in range(n)]
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+        assert all(a <= b for a, b in zip(got, got[1:]))
+    assert _isotonic([1.0, 3.0, 2.0], [1.0, 1.0, 1.0]) == [1.0, 2.5, 2.5]
 
 
 def test_curve_knots_and_predictions_equal_a_from_scratch_fit():

@@ -4,6 +4,7 @@ The verify pass costs v(n) for n = B·(γ+1) tokens (roofline: flat while memory
 once compute-bound), and the draft costs d(B) per pass, γ passes a step. Both are learned as
 running means per n (per B for the draft) with a capped weight, i.e. a mean that turns into an
 exponential average of the last ``cap`` observations, so old data decays as new data arrives.
+Both curves are fitted non-decreasing (isotonic), since more tokens never cost less.
 Between observed points the model interpolates linearly; beyond the observed range on either
 side it extrapolates with the slope of the nearest half of the range, clamped to [0, v/n] (flat
 = memory-bound, proportional = compute-bound: the two roofline limits). Below the range that
@@ -45,6 +46,22 @@ class StepCostSettings:
             raise ValueError(f"weight_cap must be >= 1, got {self.weight_cap}")
         if not self.draft_prior_ratio > 0:
             raise ValueError(f"draft_prior_ratio must be > 0, got {self.draft_prior_ratio}")
+
+
+def _isotonic(values: list[float], weights: list[float]) -> list[float]:
+    """Weighted least-squares non-decreasing fit of ``values`` (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [weighted sum, weight, count]
+    for v, w in zip(values, weights):
+        blocks.append([v * w, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
+            s, w2, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += w2
+            blocks[-1][2] += n
+    out: list[float] = []
+    for s, w, n in blocks:
+        out += [s / w] * int(n)
+    return out
 
 
 class _Curve:
@@ -107,22 +124,29 @@ class _Curve:
         return np.array(xs, dtype=np.intp), np.array(means, dtype=float)
 
     def _knots(self) -> tuple:
-        xs, mean = self.xs, self.mean
+        xs = self.xs
         if not xs:
             raise ValueError("no observations yet")
         xp, fp = self._points()
-        # Python scalars: the same doubles as numpy's, at a fraction of the cost per operation.
+        # Verifying more tokens (drafting for more sequences) never costs less, but cells are
+        # learned apart and the stack's steps are noisy (prefill rows, other processes): on a
+        # real stack the raw cells made a γ=3 step at B=8 cheaper than a γ=0 one, and the
+        # argmin chased that noise. Fit the knots as a non-decreasing curve (weighted isotonic
+        # regression), which keeps every cell's information and only pools the ones that cross.
+        weights = [self.weight[x] for x in xs]
+        values = _isotonic(fp.tolist(), weights)
+        fp = np.array(values)
         top_x, low_x = xs[-1], xs[0]
-        top_v, low_v = mean[top_x], mean[low_x]
+        top_v, low_v = values[-1], values[0]
         if len(xs) >= 2:
             # Slopes over the upper / lower half of the observed range, so one noisy cell does
             # not set them.
-            lo = xs[bisect.bisect_left(xs, top_x // 2)]
-            lo = lo if lo < top_x else xs[-2]
-            top_slope = (top_v - mean[lo]) / (top_x - lo)
-            hi = xs[bisect.bisect_right(xs, 2 * low_x) - 1]
-            hi = hi if hi > low_x else xs[1]
-            low_slope = (mean[hi] - low_v) / (hi - low_x)
+            i = bisect.bisect_left(xs, top_x // 2)
+            i = i if xs[i] < top_x else len(xs) - 2
+            top_slope = (top_v - values[i]) / (top_x - xs[i])
+            j = bisect.bisect_right(xs, 2 * low_x) - 1
+            j = j if xs[j] > low_x else 1
+            low_slope = (values[j] - low_v) / (xs[j] - low_x)
         else:
             top_slope = low_slope = 0.5 * top_v / top_x  # one point: halfway between the limits
         # Clamp to the roofline's limits: flat (memory-bound) ... proportional (compute-bound).
