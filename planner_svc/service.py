@@ -33,6 +33,29 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+STATE_MAX_BYTES = 16 << 20  # a nightjar state is a few KB to a few hundred KB; anything this big is not ours
+
+
+def encode_state(cfg: PlannerConfig, version: int, policy: GammaPolicy) -> bytes:
+    """The planner's saved state (keys.planner_state): msgpack, the policy's learned statistics."""
+    return msgpack.packb({"format": STATE_FORMAT, "version": version, "policy": cfg.policy,
+                          "gamma_max": cfg.gamma_max, "buckets": list(cfg.buckets),
+                          "saved_unix_ms": now_ms(), "state": policy.state_dict()}, use_bin_type=True)
+
+
+def decode_state(raw: bytes) -> dict[str, Any]:
+    """A saved state back as a dict; ValueError if it is too big, malformed or another format."""
+    if len(raw) > STATE_MAX_BYTES:
+        raise ValueError(f"saved planner state is {len(raw)} bytes (limit {STATE_MAX_BYTES})")
+    try:
+        state = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_ext_len=0)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise ValueError(f"saved planner state unreadable: {exc}") from None
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or not isinstance(state.get("state"), dict):
+        raise ValueError("saved planner state is not in this planner's format")
+    return state
+
+
 class PlannerService:
     def __init__(self, config: PlannerConfig, redis: Any) -> None:
         self.cfg = config
@@ -68,23 +91,20 @@ class PlannerService:
         if not raw:
             return
         try:
-            state = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_ext_len=0)
+            state = decode_state(raw)
             self.version = max(self.version, int(state["version"]))
-            if (state.get("format") == STATE_FORMAT and state.get("policy") == self.cfg.policy
+            if (state.get("policy") == self.cfg.policy
                     and state.get("gamma_max") == self.cfg.gamma_max
                     and list(state.get("buckets", ())) == list(self.cfg.buckets)):
                 self.policy.load_state_dict(state["state"])
                 log.info("resumed %s from saved state (version %d)", self.cfg.policy, self.version)
             else:
                 log.info("saved state is for another policy/config; starting fresh at version %d", self.version)
-        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+        except (ValueError, KeyError, TypeError) as exc:
             log.warning("saved planner state unreadable (%s); starting fresh", exc)
 
     async def save_state(self) -> None:
-        blob = msgpack.packb({"format": STATE_FORMAT, "version": self.version, "policy": self.cfg.policy,
-                              "gamma_max": self.cfg.gamma_max, "buckets": list(self.cfg.buckets),
-                              "saved_unix_ms": now_ms(), "state": self.policy.state_dict()}, use_bin_type=True)
-        await self.redis.set(self.keys.planner_state, blob)
+        await self.redis.set(self.keys.planner_state, encode_state(self.cfg, self.version, self.policy))
         self.saved_at = time.monotonic()
 
     def current_policy(self) -> Policy:

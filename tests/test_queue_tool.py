@@ -12,6 +12,7 @@ import redis
 from nightjar.keys import Keys
 from nightjar.messages import DeadLetter, Heartbeat, Job, OutputChunk, Policy, StepStats
 from nightjar.queue_tool import main
+from planner_svc.policies.base import bucket_index
 
 
 def now_ms() -> int:
@@ -228,7 +229,7 @@ def test_read_only_views_change_nothing(r, keys, q):
     _dead_letter(r, keys, "p")
     r.sadd(keys.workers, "w1")
     before = {k: r.dump(k) for k in r.scan_iter(match=keys.all_pattern)}
-    for view in ("ls", "inflight", "workers", "policy", "stats", "dlq"):
+    for view in ("ls", "inflight", "workers", "policy", "stats", "model", "dlq"):
         assert q(view)[0] == 0
         assert q(view, json_out=False)[0] == 0
     assert q("watch", "--iterations", "2", "--interval-s", "0.01", json_out=False)[0] == 0
@@ -270,7 +271,7 @@ def test_password_flag(key_prefix):
 
 
 def test_every_view_has_help_with_defaults(capsys):
-    for view in ("ls", "inflight", "workers", "policy", "stats", "dlq", "watch"):
+    for view in ("ls", "inflight", "workers", "policy", "stats", "model", "dlq", "watch"):
         with pytest.raises(SystemExit) as exc:
             main([view, "--help"])
         assert exc.value.code == 0
@@ -302,3 +303,35 @@ def test_error_messages_never_show_the_password(capsys):
     assert main(["ls", "--redis-url", f"redis://:s3cret@127.0.0.1:{free_port()}/0"], out=io.StringIO()) == 1
     err = capsys.readouterr().err
     assert "cannot reach Redis" in err and "s3cret" not in err
+
+
+def test_model_shows_what_the_planner_learned(r, keys, q):
+    from planner_svc.config import PlannerConfig
+    from planner_svc.policies import make_policy
+    from planner_svc.service import encode_state
+
+    assert q("model") == (0, {"model": None, "error": None})
+    cfg = PlannerConfig(policy="nightjar", gamma_max=3)
+    policy = make_policy("nightjar", gamma_max=3, buckets=cfg.buckets)
+    for i in range(300):  # a step costs 5 ms + 0.5 ms per verified token, + 1 ms per draft pass
+        b, g = 1 + i % 12, i % 4
+        policy.update(StepStats(worker_id="w", step=i, unix_ms=now_ms(), batch_size=b, gamma=g, draft_ms=1.0 * g,
+                                verify_ms=5.0 + 0.5 * b * (g + 1), step_ms=0.0, accepted_per_position=(b,) * g,
+                                emitted_tokens=b * (g + 1)))
+    r.set(keys.planner_state, encode_state(cfg, 7, policy))
+    code, doc = q("model")
+    m = doc["model"]
+    assert code == 0 and (m["policy"], m["version"], m["gamma_max"], m["updates"]) == ("nightjar", 7, 3, 300)
+    assert m["expected_tokens"] == pytest.approx([1, 2, 3, 4], abs=0.05)  # every draft was accepted
+    assert [b["gamma"] for b in m["buckets"]] == list(policy.table())
+    row = m["buckets"][bucket_index(cfg.buckets, 8)]
+    assert row["batch_sizes"][0] <= row["mean_batch"] <= row["batch_sizes"][1] and sum(row["plays"]) == row["steps"]
+    step = row["step_ms"]
+    assert step == sorted(step) and step[0] == pytest.approx(5.0 + 0.5 * row["mean_batch"], rel=0.15)
+    code, text = q("model", json_out=False)
+    assert code == 0 and "nightjar v7" in text and "predicted ms / token" in text
+    r.set(keys.planner_state, b"\xc1")  # not msgpack: a clear error, not a crash
+    assert q("model")[1]["model"] is None and "unreadable" in q("model")[1]["error"]
+    r.set(keys.planner_state, encode_state(PlannerConfig(policy="fixed:2", gamma_max=3), 1,
+                                           make_policy("fixed:2", gamma_max=3)))
+    assert "no step-cost model" in q("model")[1]["error"]

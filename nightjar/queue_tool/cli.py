@@ -1,6 +1,6 @@
 """``nightjar queue``: read the live Redis state as tables or JSON; change it only when asked.
 
-    nightjar queue ls | inflight | workers | policy | stats | dlq      [--json]
+    nightjar queue ls | inflight | workers | policy | stats | model | dlq      [--json]
     nightjar queue dlq requeue ID --yes | dlq purge --yes              (the only mutations)
     nightjar queue watch [--interval-s 1] [--iterations N]             (Ctrl-C stops)
 
@@ -36,6 +36,8 @@ VIEWS = {
                 render.workers_table),
     "policy": ("the planner's current table and version", "policy", render.policy_view),
     "stats": ("recent step statistics: acceptance per position, step time by γ", "stats", render.stats_view),
+    "model": ("what the planner learned: predicted step ms and ms per token by batch bucket and γ", "model",
+              render.model_view),
 }
 
 

@@ -220,6 +220,45 @@ class QueueReader:
             "residency": dict(sorted(pol.residency.items())),
         }, "error": None}
 
+    # ------------------------------------------------------------------ model
+    def model(self) -> dict[str, Any]:
+        """What the planner has learned (its saved state): per bucket the γ in force, the plays
+        per γ, and the predicted step ms and ms per emitted token of every γ at the bucket's
+        usual batch size. Only a learning policy with a step-cost model (nightjar) has one."""
+        import numpy as np
+
+        from planner_svc.policies import make_policy
+        from planner_svc.service import decode_state
+
+        raw = self.r.get(self.keys.planner_state)
+        if raw is None:
+            return {"model": None, "error": None}
+        try:
+            state = decode_state(raw)
+            policy = make_policy(str(state["policy"]), gamma_max=int(state["gamma_max"]),
+                                 buckets=tuple(int(b) for b in state["buckets"]))
+            policy.load_state_dict(state["state"])
+        except (ValueError, KeyError, TypeError) as exc:
+            return {"model": None, "error": str(exc)}
+        cost = getattr(policy, "cost", None)
+        if cost is None:
+            return {"model": None, "error": f"policy {state['policy']!r} keeps no step-cost model"}
+        buckets = []
+        for i, tl in enumerate(policy.timelines):
+            sizes, weights = tl.support()
+            row = {"batch_sizes": [tl.lo, tl.hi], "gamma": tl.arm, "steps": tl.steps, "plays": list(tl.plays),
+                   "mean_batch": round(float(weights @ sizes), 2)}
+            if cost.ready:
+                step = cost.step_ms(np.array([row["mean_batch"]]), policy.gamma_max)[0]  # [G+1]
+                row["step_ms"] = [round(float(x), 3) for x in step]
+                row["ms_per_token"] = [round(float(x), 4) for x in policy.losses(i)]
+            buckets.append(row)
+        return {"model": {"policy": state["policy"], "version": state.get("version"),
+                          "age_s": self._age_s(int(state.get("saved_unix_ms", 0))),
+                          "updates": getattr(policy, "updates", None), "gamma_max": policy.gamma_max,
+                          "expected_tokens": [round(float(x), 3) for x in policy.acceptance.expected_tokens()],
+                          "buckets": buckets}, "error": None}
+
     # ------------------------------------------------------------------ stats
     def stats(self, window: int = 500) -> dict[str, Any]:
         """Acceptance per draft position and step time per gamma over the last ``window`` steps."""

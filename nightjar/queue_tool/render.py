@@ -78,6 +78,23 @@ def policy_view(doc: dict[str, Any]) -> Group | Text:
     return Group(head, buckets, residency)
 
 
+def model_view(doc: dict[str, Any]) -> Group | Text:
+    m = doc["model"]
+    if m is None:
+        return Text(f"no model: {doc['error']}" if doc["error"] else "no planner state saved yet",
+                    style="red" if doc["error"] else "yellow")
+    head = Text(f"{m['policy']} v{m['version']}, saved {_fmt(m['age_s'])} s ago, {m['updates']} steps learned; "
+                f"expected tokens per step by γ: {m['expected_tokens']}")
+    rows = [{"batch": f"{b['batch_sizes'][0]}–{b['batch_sizes'][1]}", "mean": b["mean_batch"], "gamma": b["gamma"],
+             "steps": b["steps"], "plays": " ".join(map(str, b["plays"])),
+             "step": " ".join(f"{x:.1f}" for x in b.get("step_ms", ())) or "–",
+             "loss": " ".join(f"{x:.2f}" for x in b.get("ms_per_token", ())) or "–"} for b in m["buckets"]]
+    table = _table("per batch-size bucket (lists are γ = 0, 1, …)", [
+        ("batch", "batch"), ("mean batch", "mean"), ("γ in force", "gamma"), ("steps", "steps"), ("plays by γ", "plays"),
+        ("predicted step ms", "step"), ("predicted ms / token", "loss")], rows)
+    return Group(head, table)
+
+
 def stats_view(doc: dict[str, Any]) -> Group:
     head = Text(f"{doc['steps']} steps over {_fmt(doc['window_s'])} s; preempted {doc['preempted']}; "
                 f"catch-ups {doc['catchup']['count']} ({doc['catchup']['tokens']} tokens, "
