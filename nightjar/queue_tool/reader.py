@@ -225,6 +225,7 @@ class QueueReader:
         """What the planner has learned (its saved state): per bucket the γ in force, the plays
         per γ, and the predicted step ms and ms per emitted token of every γ at the bucket's
         usual batch size. Only a learning policy with a step-cost model (nightjar) has one."""
+        # Imported here: the other views stay free of numpy and the planner's policies.
         import numpy as np
 
         from planner_svc.policies import make_policy
@@ -255,7 +256,7 @@ class QueueReader:
             buckets.append(row)
         return {"model": {"policy": state["policy"], "version": state.get("version"),
                           "age_s": self._age_s(int(state.get("saved_unix_ms", 0))),
-                          "updates": getattr(policy, "updates", None), "gamma_max": policy.gamma_max,
+                          "updates": policy.updates, "gamma_max": policy.gamma_max,
                           "expected_tokens": [round(float(x), 3) for x in policy.acceptance.expected_tokens()],
                           "buckets": buckets}, "error": None}
 

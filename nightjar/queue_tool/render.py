@@ -64,11 +64,15 @@ def workers_table(doc: dict[str, Any]) -> Table:
         ("inbox", "inbox"), ("policy v", "policy_version"), ("error", "error")], doc["workers"])
 
 
+def _absent(doc: dict[str, Any], what: str, empty: str) -> Text:
+    """A view with nothing to show: the decode error in red, or why it is empty in yellow."""
+    return Text(f"no {what}: {doc['error']}" if doc["error"] else empty, style="red" if doc["error"] else "yellow")
+
+
 def policy_view(doc: dict[str, Any]) -> Group | Text:
     pol = doc["policy"]
     if pol is None:
-        return Text(f"no policy: {doc['error']}" if doc["error"] else "no policy published yet",
-                    style="red" if doc["error"] else "yellow")
+        return _absent(doc, "policy", "no policy published yet")
     head = Text(f"policy {pol['name']} v{pol['version']}, age {_fmt(pol['age_s'])} s, ttl {_fmt(pol['ttl_s'])} s"
                 + ("  STALE (workers use their local default)" if pol["stale"] else ""),
                 style="red" if pol["stale"] else "")
@@ -81,8 +85,7 @@ def policy_view(doc: dict[str, Any]) -> Group | Text:
 def model_view(doc: dict[str, Any]) -> Group | Text:
     m = doc["model"]
     if m is None:
-        return Text(f"no model: {doc['error']}" if doc["error"] else "no planner state saved yet",
-                    style="red" if doc["error"] else "yellow")
+        return _absent(doc, "model", "no planner state saved yet")
     head = Text(f"{m['policy']} v{m['version']}, saved {_fmt(m['age_s'])} s ago, {m['updates']} steps learned; "
                 f"expected tokens per step by γ: {m['expected_tokens']}")
     rows = [{"batch": f"{b['batch_sizes'][0]}–{b['batch_sizes'][1]}", "mean": b["mean_batch"], "gamma": b["gamma"],

@@ -127,15 +127,13 @@ class _Curve:
         xs = self.xs
         if not xs:
             raise ValueError("no observations yet")
-        xp, fp = self._points()
         # Verifying more tokens (drafting for more sequences) never costs less, but cells are
         # learned apart and the stack's steps are noisy (prefill rows, other processes): on a
         # real stack the raw cells made a γ=3 step at B=8 cheaper than a γ=0 one, and the
         # argmin chased that noise. Fit the knots as a non-decreasing curve (weighted isotonic
         # regression), which keeps every cell's information and only pools the ones that cross.
-        weights = [self.weight[x] for x in xs]
-        values = _isotonic(fp.tolist(), weights)
-        fp = np.array(values)
+        values = _isotonic([self.mean[x] for x in xs], [self.weight[x] for x in xs])
+        xp, fp = np.array(xs, dtype=np.intp), np.array(values)
         top_x, low_x = xs[-1], xs[0]
         top_v, low_v = values[-1], values[0]
         if len(xs) >= 2:
