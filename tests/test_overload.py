@@ -16,8 +16,11 @@ from reliability_support import IDLE, dead_services, wait_idle
 from overload import offer, overload_stack  # scripts/overload.py
 
 MAX_QUEUED = 8
-MAX_TOKENS = 16
-OFFERED_RPS = 120.0  # the 2-core box completes ~5-15 requests/s of 16 tokens: ~10x or more
+# The 2-core box completed up to 61 requests/s of 16 tokens here (918 in 15 s, one CI run), so
+# 16-token requests made 120/s only ~2x capacity and "most refused" a coin toss; 32 tokens
+# halve the capacity and keep the offer ~4x above it.
+MAX_TOKENS = 32
+OFFERED_RPS = 120.0
 SECONDS = 15.0
 
 
