@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from recipe.corpus import CorpusSpec  # noqa: E402
 from recipe.dataset import load_streams  # noqa: E402
 from recipe.prompts import build_prompts, write_prompts  # noqa: E402
-from recipe.shapes import CANDIDATES, DRAFT, EOS_ID, TARGET  # noqa: E402
+from recipe.shapes import CANDIDATES, EOS_ID, SHAPES  # noqa: E402
 from recipe.timing import decode_ms  # noqa: E402
 from recipe.trainer import TrainSpec, distill, heldout_loss, init_draft_from_target, train_lm  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
@@ -57,7 +57,7 @@ def cmd_shapes(a: argparse.Namespace) -> int:
     torch.manual_seed(a.seed)
     models = {k: LlamaForCausalLM(s.config()).eval() for k, s in CANDIDATES.items()}
     ms = decode_ms(models, rounds=a.rounds)
-    base = ms[DRAFT.name] if DRAFT.name in ms else min(ms.values())
+    base = ms["d1x256"] if "d1x256" in ms else min(ms.values())
     print("| shape | layers | width | params (M) | decode ms/token | ratio to tiny-draft |")
     print("|---|---|---|---|---|---|")
     for k, s in CANDIDATES.items():
@@ -82,11 +82,15 @@ def cmd_target(a: argparse.Namespace) -> int:
         seen = int(prior.get("tokens_total", prior["tokens"]))
         log(f"continuing from {a.init_target} ({seen} tokens seen)")
     else:
-        model = LlamaForCausalLM(TARGET.config())
+        model = LlamaForCausalLM(SHAPES[a.target_shape].config())
+    teacher = None
+    if a.teacher is not None:
+        teacher = LlamaForCausalLM.from_pretrained(a.teacher, dtype=torch.float32)
+        log(f"distilling from teacher {a.teacher} as well as the text")
     spec = _spec(a, a.target_minutes, a.target_tokens, a.target_lr)
     # A continuation samples fresh windows: the same seed would replay the earlier run's batches.
     spec = dataclasses.replace(spec, seed=a.seed + seen)
-    stats = train_lm(model, train, spec, log)
+    stats = train_lm(model, train, spec, log, teacher=teacher)
     stats["tokens_total"] = seen + stats["tokens"]
     stats["heldout_loss"] = heldout_loss(model, heldout)
     log(f"target done: {json.dumps(stats)}")
@@ -100,8 +104,12 @@ def cmd_draft(a: argparse.Namespace) -> int:
     train, heldout = load_streams(a.tokenizer, CorpusSpec(root=a.stdlib, seed=a.seed), a.runs / "data")
     target = LlamaForCausalLM.from_pretrained(a.runs / "target", dtype=torch.float32)
     torch.manual_seed(a.seed + 1)
-    draft = LlamaForCausalLM(DRAFT.config())
-    init_draft_from_target(draft, target)
+    if a.init_draft is not None:  # e.g. a draft of another target with the same tokenizer
+        draft = LlamaForCausalLM.from_pretrained(a.init_draft, dtype=torch.float32)
+        log(f"draft starts from {a.init_draft}")
+    else:
+        draft = LlamaForCausalLM(SHAPES[a.draft_shape].config())
+        init_draft_from_target(draft, target)
     spec = TrainSpec(tokens=a.draft_tokens, minutes=a.draft_minutes, seq_len=a.seq_len, batch=a.batch,
                      lr=a.draft_lr, seed=a.seed + 1)
     stats = distill(draft, target, train, spec, log)
@@ -119,7 +127,7 @@ def export(src: Path, dst: Path, tokenizer: Path) -> None:
     # bf16 halves the committed size; the engine upcasts to fp32 for compute on CPU.
     model.to(torch.bfloat16).save_pretrained(dst, safe_serialization=True)
     GenerationConfig(bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=EOS_ID, do_sample=False,
-                     max_length=TARGET.config().max_position_embeddings).save_pretrained(dst)
+                     max_length=model.config.max_position_embeddings).save_pretrained(dst)
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer / name, dst / name)
     if (src / "train_stats.json").exists():
@@ -127,9 +135,9 @@ def export(src: Path, dst: Path, tokenizer: Path) -> None:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    export(a.runs / "target", a.models / TARGET.name, a.tokenizer)
-    export(a.runs / "draft", a.models / DRAFT.name, a.tokenizer)
-    print(f"exported to {a.models / TARGET.name} and {a.models / DRAFT.name}")
+    export(a.runs / "target", a.models / a.target_shape, a.tokenizer)
+    export(a.runs / "draft", a.models / a.draft_shape, a.tokenizer)
+    print(f"exported to {a.models / a.target_shape} and {a.models / a.draft_shape}")
     return 0
 
 
@@ -157,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-tokens", type=int, default=20_000_000)
     ap.add_argument("--target-lr", type=float, default=2e-3)
     ap.add_argument("--init-target", type=Path, default=None, help="target: start from this checkpoint")
+    ap.add_argument("--target-shape", choices=sorted(SHAPES), default="serve-target",
+                    help="target architecture (recipe/shapes.py); also the exported folder's name")
+    ap.add_argument("--draft-shape", choices=sorted(SHAPES), default="serve-draft",
+                    help="draft architecture; also the exported folder's name")
+    ap.add_argument("--teacher", type=Path, default=None,
+                    help="target: also distil from this model folder (same tokenizer), e.g. models/tiny-target")
+    ap.add_argument("--init-draft", type=Path, default=None,
+                    help="draft: start from this model folder instead of the target's first layer")
     ap.add_argument("--draft-minutes", type=float, default=18.0)
     ap.add_argument("--draft-tokens", type=int, default=20_000_000)
     ap.add_argument("--draft-lr", type=float, default=2e-3)

@@ -60,6 +60,14 @@ class ModelShape:
 TARGET = ModelShape("tiny-target", layers=12, hidden=256, intermediate=768, heads=8, kv_heads=4, tied=True)
 DRAFT = ModelShape("tiny-draft", layers=1, hidden=256, intermediate=768, heads=8, kv_heads=4, tied=False)
 
+# The serving pair: an 8B/1B deployment in miniature. The target is few layers and wide (so a
+# step streams its weights instead of paying per-op overhead) and its fp32 weights are over 4x
+# the 32 MiB L3 of these machines; the draft is the tiny one-layer shape (its weights fit in
+# cache), so one draft step costs a small fraction of a target step, as a 1B draft of an 8B does.
+SERVE_TARGET = ModelShape("serve-target", layers=4, hidden=768, intermediate=3072, heads=12, kv_heads=4, tied=True)
+SERVE_DRAFT = ModelShape("serve-draft", layers=1, hidden=256, intermediate=768, heads=8, kv_heads=4, tied=False)
+SHAPES = {s.name: s for s in (TARGET, DRAFT, SERVE_TARGET, SERVE_DRAFT)}
+
 CANDIDATES = {
     "t6x384": ModelShape("t6x384", 6, 384, 1024, 6, 6, True),
     "t12x256": TARGET,

@@ -85,10 +85,24 @@ def _run(model: LlamaForCausalLM, spec: TrainSpec, loss_fn: Callable[[torch.Tens
 
 
 def train_lm(model: LlamaForCausalLM, stream: torch.Tensor, spec: TrainSpec,
-             log: Callable[[str], None]) -> dict[str, float]:
+             log: Callable[[str], None], teacher: LlamaForCausalLM | None = None) -> dict[str, float]:
+    """Next-token cross-entropy; with a teacher (same tokenizer), plus KL(teacher || model) on every
+    position: soft targets carry more signal per token, which matters on a CPU's token budget."""
+    if teacher is not None:
+        teacher.eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+
     def loss_fn(batch: torch.Tensor) -> torch.Tensor:
         logits = model(input_ids=batch[:, :-1]).logits  # [batch, seq_len, vocab]
-        return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        ce = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        if teacher is None:
+            return ce
+        with torch.no_grad():
+            t_logp = F.log_softmax(teacher(input_ids=batch[:, :-1]).logits, dim=-1)  # [batch, seq_len, vocab]
+        kl = F.kl_div(F.log_softmax(logits, -1).flatten(0, 1), t_logp.flatten(0, 1), log_target=True,
+                      reduction="batchmean")
+        return kl + ce
 
     return _run(model, spec, loss_fn, stream, log)
 
