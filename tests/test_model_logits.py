@@ -32,10 +32,11 @@ def _path(case: str) -> str:
     return str(random_models()[case.split(":", 1)[1]]) if case.startswith("random:") else case
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("case", _cases())
-def test_logits_match_transformers(case):
+def test_logits_match_transformers(case, packed):
     path = _path(case)
-    ours = LlamaModel.from_folder(path)
+    ours = LlamaModel.from_folder(path, packed=packed)
     ref_model = hf_model(path)
     c = ours.cfg
     gen = torch.Generator().manual_seed(0)

@@ -20,6 +20,7 @@ from nightjar.messages import SamplingParams, StepStats
 from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer
 from worker.memory import MemoryManager, kv_pool_bytes
+from worker.linear import can_pack
 from worker.model import LlamaModel
 from worker.runner import ModelRunner, Run
 from worker.sampler import RowParams, draw_uniforms, probs_from_logits, sample, validate
@@ -57,7 +58,9 @@ class Engine:
             torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
         dtype = cfg.torch_dtype
-        target = LlamaModel.from_folder(cfg.target_path, dtype, cfg.device)
+        # The target's weights never move, so on CPU they are packed for oneDNN (worker/linear.py);
+        # the draft stays in plain tensors so the mover can offload it.
+        target = LlamaModel.from_folder(cfg.target_path, dtype, cfg.device, packed=can_pack(torch.device(cfg.device), dtype))
         draft = LlamaModel.from_folder(cfg.draft_path, dtype, cfg.device) if cfg.draft_path else None
         bpb = ModelRunner.bytes_per_block(target, cfg.block_size)
         if draft is not None:  # both pools get the same block count: the draft never runs out first

@@ -8,8 +8,9 @@ each, RoPE is applied to q and k together), and everything that is the same for 
 Weights (see loader.fused_weights):
   embed [V, D], norm [D], head [V, D] (the same tensor as embed when tied), and per layer
   ln1 [D], qkv [(H + 2K) * d, D], qkv_bias [(H + 2K) * d] | None, o [D, H * d], ln2 [D],
-  gate_up [2I, D], down [D, I]. On CPU the matrices (head included) are stored transposed,
-  [in, out] (see ``t_layout``).
+  gate_up [2I, D], down [D, I]. On CPU the matrices (head included) are stored either packed
+  for oneDNN (``packed``: a model whose weights stay put, see worker/linear.py) or transposed,
+  [in, out] (``t_layout``: a draft that the mover offloads as plain tensors).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.kv_cache import AttnGroup, KVCache, PagedBatch
+from worker.linear import can_pack, pack, packed_linear
 from worker.loader import ModelConfig, fused_weights, load_config, load_state_dict
 
 
@@ -44,26 +46,32 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device: str | torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device: str | torch.device,
+                 packed: bool = False) -> None:
+        """packed: store the matrices in oneDNN's layout (CPU fp32 only; the model cannot move then)."""
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.w = weights
-        # On CPU, x @ W^T with W^T stored contiguous ([in, out]) runs 10-30% faster than
-        # F.linear on [out, in] for the small row counts of decode and verify (measured with
-        # MKL here); the layout is fixed at construction and kept across to_device moves.
-        self.t_layout = self.device.type == "cpu"
-        if self.t_layout:
+        if packed and not can_pack(self.device, dtype):
+            raise ValueError(f"packed weights need fp32 on a CPU with oneDNN, not {dtype} on {self.device}")
+        self.packed = packed
+        # Otherwise on CPU, x @ W^T with W^T stored contiguous ([in, out]) beats F.linear on
+        # [out, in] at small row counts with MKL; the layout is kept across to_device moves.
+        self.t_layout = self.device.type == "cpu" and not packed
+        layout = pack if packed else (lambda t: t.t().contiguous()) if self.t_layout else None
+        if layout is not None:
             for layer in weights["layers"]:
                 for k in ("qkv", "o", "gate_up", "down"):
-                    layer[k] = layer[k].t().contiguous()
-            weights["head"] = weights["head"].t().contiguous()  # [D, V]; a tied head gets its own copy
+                    layer[k] = layout(layer[k])
+            weights["head"] = layout(weights["head"])  # a tied head gets its own copy
         self.inv_freq = rope_inv_freq(cfg)
         self._rope_len = 0
         self._ensure_rope(2048)
 
     @classmethod
-    def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "LlamaModel":
+    def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                    packed: bool = False) -> "LlamaModel":
         cfg = load_config(folder)
-        return cls(cfg, fused_weights(cfg, load_state_dict(folder), dtype, device), dtype, device)
+        return cls(cfg, fused_weights(cfg, load_state_dict(folder), dtype, device), dtype, device, packed)
 
     # ------------------------------------------------------------------ weights residency
 
@@ -82,6 +90,8 @@ class LlamaModel:
 
     def to_device(self, device: str | torch.device) -> None:
         """Move every weight (keeps the embed/head tie); used to offload and reload a draft."""
+        if self.packed:
+            raise RuntimeError("a model with packed weights cannot move; build the moving draft unpacked")
         dev = torch.device(device)
         tied = self.w["head"] is self.w["embed"]
         self.w["embed"] = self.w["embed"].to(dev)
@@ -144,6 +154,8 @@ class LlamaModel:
 
     def _lin(self, x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W (+ add: a bias [out] or a residual [N, out], fused into the matmul on CPU)."""
+        if self.packed:
+            return packed_linear(x, w, add)
         if not self.t_layout:
             out = F.linear(x, w)
             return out if add is None else out + add

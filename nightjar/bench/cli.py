@@ -52,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", nargs="+", default=None,
                    help="policy specs; G stands for the calibrated best γ at batch 1 (default: the full set)")
     p.add_argument("--workloads", nargs="+", type=_workload, default=None,
-                   help="SPEC@SECONDS: poisson:ρ, rates:ρ1,ρ2,..., burst, ramp, oscillation, azure_conv, azure_code")
+                   help="SPEC@SECONDS: poisson:ρ, rates:ρ1,ρ2,..., burst, ramp, oscillation, azure_conv, azure_code, "
+                        "closed:C (C clients in a closed loop, 64-token requests; SECONDS counted after a 10 s warm-up)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-scale", type=float, default=0.25, help="× the trace's prompt lengths")
     p.add_argument("--output-scale", type=float, default=0.25, help="× the trace's output lengths")
@@ -267,7 +268,7 @@ def _against_running(a: argparse.Namespace, p: argparse.ArgumentParser, scale, o
             finally:
                 if probe:
                     await probe.close()
-            run = report.summarize(res, steps)
+            run = report.summarize(res, steps, warmup_s=wl.warmup_s)
             run.update(policy="(running stack)", kind=plan.kind)
             runs.append(run)
             samples[f"(running stack)|{plan.spec}"] = res.samples

@@ -45,6 +45,8 @@ def kind_of(spec: str) -> str:
         return "low" if rho <= 0.5 else "overload" if rho >= 1.0 else "steady"
     if spec.startswith("rates:"):
         return "sweep"
+    if spec.startswith("closed:"):
+        return "closed"
     return "dynamic"
 
 
@@ -174,7 +176,9 @@ async def run_on_stack(stack: Stack, workload: Workload, prompts: list[str], cfg
                               seed=cfg.seed, progress=cfg.progress, label=label)
         result = await run_load(workload, prompts, load_cfg, probe=probe)
         await probe.read_steps()
-        return result, summarize_steps(probe.steps)
+        # A closed loop's warm-up steps (the batch filling, the planner's first bins) are not counted.
+        after = result.started_unix * 1000 + workload.warmup_s * 1000
+        return result, summarize_steps([s for s in probe.steps if s.unix_ms >= after])
     finally:
         await probe.close()
 
@@ -336,15 +340,23 @@ async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
     bank = PromptBank()
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     cal: dict = {"notes": [], "fixed_gamma": cfg.fixed_gamma, "capacity_rps": cfg.capacity_rps}
-    if cfg.fixed_gamma is None:
+    # Closed loops need no capacity, and explicit γs no batch-1 γ probe: skip what nothing uses.
+    if all(w.spec.startswith("closed:") for w in cfg.workloads) and cal["capacity_rps"] is None:
+        cal["capacity_rps"] = 1.0
+        cal["notes"].append("closed-loop workloads only: no capacity probe")
+    if cal["fixed_gamma"] is None and not any(":G" in p for p in cfg.policies):
+        cal["fixed_gamma"] = 0
+        cal["notes"].append("no policy names G: no batch-1 γ probe")
+    if cal["fixed_gamma"] is None or cal["capacity_rps"] is None:
         # γ probe (and the capacity at γ = 0) on a stack without a planner: the bench publishes.
         async with _Running(cfg.stack_config("off", cfg.out_dir / "logs" / "calibration", planner=False)) as stack:
             info = await model_info(stack.address)
             log(f"calibrating on {stack.address} (model {info.model}, draft {info.draft_model or 'none'}, γmax {info.gamma_max})")
-            g = await probe_gamma(stack, cfg, bank, info.gamma_max)
-            cal["notes"] += g.pop("notes")
-            cal.update(g)
-            if cfg.capacity_rps is None:
+            if cal["fixed_gamma"] is None:
+                g = await probe_gamma(stack, cfg, bank, info.gamma_max)
+                cal["notes"] += g.pop("notes")
+                cal.update(g)
+            if cal["capacity_rps"] is None:
                 cal.update(await probe_capacity(stack, cfg, bank))
     cmp.calibration = cal
     workloads: list[Workload] = []
@@ -384,7 +396,7 @@ async def _one_policy(cmp: Comparison, cfg: CompareConfig, policy: str, rep: int
             log(f"policy {policy} (repeat {rep + 1}/{cfg.repeats}): workload {plan.spec} ({len(wl)} requests over {plan.duration_s:.0f} s)")
             speed = speed_probe_ms()
             result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | {plan.spec}")
-            run = report.summarize(result, steps)
+            run = report.summarize(result, steps, warmup_s=wl.warmup_s)
             # The machine is shared: its load average says how noisy this run's figures are.
             run.update(policy=policy, kind=plan.kind, repeat=rep, loadavg_1m=os.getloadavg()[0], speed_probe_ms=speed)
             cmp.runs.append(run)

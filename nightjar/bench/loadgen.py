@@ -1,7 +1,9 @@
-"""The load generator: an open-loop async gRPC driver over the raw ``nightjar.v1`` stubs.
+"""The load generator: an async gRPC driver over the raw ``nightjar.v1`` stubs.
 
 Each request is sent at its planned arrival time whether or not earlier ones finished (open
-loop: a saturated server shows up as queueing, not as a slower client). A run is bounded in
+loop: a saturated server shows up as queueing, not as a slower client); a closed-loop workload
+(``Workload.clients``) instead keeps that many requests in flight, each client sending its next
+as soon as its last one finished, until ``Workload.duration_s``. A run is bounded in
 count (the workload) and in time (``max_duration_s`` for arrivals, then ``drain_timeout_s``
 for the stragglers, which are cancelled). Every ``sample_interval_s`` a sampler records the
 client's view (offered load, in flight, tokens/s, latency of what just finished) merged with
@@ -189,10 +191,25 @@ async def run_load(workload: Workload, prompts: list[str], cfg: LoadConfig, prob
                     row["probe_error"] = repr(exc)[:200]
             samples.append(row)
 
+    async def client(queue: list[int]) -> None:
+        while queue and loop.time() - t0 < workload.duration_s:
+            i = queue.pop()
+            rec = records[i]
+            rec.planned_s = loop.time() - t0
+            counters.sent += 1
+            await one(rec, prompts[i])
+
     sampler_task = asyncio.create_task(sampler())
     tasks: list[asyncio.Task] = []
     try:
-        for rec, prompt in zip(records, prompts):
+        if workload.clients:
+            queue = list(range(len(records)))[::-1]  # pop() takes them in order
+            clients = [asyncio.create_task(client(queue)) for _ in range(workload.clients)]
+            tasks = clients
+            await asyncio.wait(clients, timeout=workload.duration_s + cfg.drain_timeout_s)
+            for i in queue:
+                records[i].status = "not_sent"
+        for rec, prompt in zip(records, prompts if not workload.clients else []):
             if rec.planned_s > cfg.max_duration_s:
                 rec.status = "not_sent"
                 continue

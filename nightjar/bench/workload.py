@@ -8,7 +8,9 @@ the lengths are scaled down by ``LengthScale`` so that a run fits the slow CPU m
 ~1024-token context.
 
 Specs: ``poisson:ρ`` (steady load ρ × capacity), ``rates:ρ1,ρ2,...`` (Poisson, equal-length
-steps at each load), ``burst``, ``ramp``, ``oscillation``, ``azure_conv``, ``azure_code``.
+steps at each load), ``burst``, ``ramp``, ``oscillation``, ``azure_conv``, ``azure_code``, and
+``closed:C``: C clients in a closed loop, each sending its next fixed-length request (ignore_eos)
+as soon as the last one finished; the first ``CLOSED_WARMUP_S`` are not counted.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from nightjar import paths
 from planner_svc.simulator import trace as sim_trace
 
 CONTEXT_TOKENS = 1024  # the shipped models' max_position_embeddings
-SPECS = ("poisson:RHO", "rates:RHO,RHO,...", "burst", "ramp", "oscillation", "azure_conv", "azure_code")
+SPECS = ("poisson:RHO", "rates:RHO,RHO,...", "burst", "ramp", "oscillation", "azure_conv", "azure_code", "closed:C")
+CLOSED_PROMPT_TOKENS = 32
+CLOSED_OUTPUT_TOKENS = 64
+CLOSED_WARMUP_S = 10.0  # the batch fills and the planner learns; steady state is what closed:C measures
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,8 @@ class Workload:
     duration_s: float  # the arrival window; the run then drains
     capacity_rps: float  # the capacity the loads were scaled to
     nominal: tuple[tuple[float, float, float], ...] = ()  # (start s, end s, req/s) of the pattern's pieces
+    clients: int = 0  # > 0: a closed loop of this many clients; arrival_s is then unused (all 0)
+    warmup_s: float = 0.0  # requests sent before this are not counted (closed loops)
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
@@ -108,6 +115,8 @@ def build(spec: str, capacity_rps: float, duration_s: float, *, seed: int = 0, s
         raise ValueError(f"capacity_rps must be > 0, got {capacity_rps}")
     if not duration_s > 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
+    if spec.startswith("closed:"):
+        return closed(spec, duration_s, capacity_rps)
     cap = lambda _prompt, _output: capacity_rps  # noqa: E731 - capacity was measured on the scaled mix
     nominal: tuple = ()
     if spec.startswith("azure_"):
@@ -132,6 +141,22 @@ def build(spec: str, capacity_rps: float, duration_s: float, *, seed: int = 0, s
     keep[max_requests:] = False
     prompt, output = scale.apply(tr.prompt_tokens[keep], tr.output_tokens[keep])
     return Workload(spec, arrival_s[keep], prompt, output, duration_s, capacity_rps, nominal)
+
+
+def closed(spec: str, duration_s: float, capacity_rps: float = 1.0) -> Workload:
+    """``closed:C``: C clients, ``duration_s`` of counted load after ``CLOSED_WARMUP_S`` of warm-up.
+    Enough requests are planned for every client to send one every 0.1 s (a client stops at the
+    end of the run, not when the plan runs out, unless the stack is faster than that)."""
+    try:
+        clients = int(spec.split(":", 1)[1])
+    except ValueError:
+        raise ValueError(f"workload {spec!r}: expected closed:C with C clients, e.g. closed:16") from None
+    if not 1 <= clients <= 1024:
+        raise ValueError(f"workload {spec!r}: clients must be in 1..1024")
+    total_s = CLOSED_WARMUP_S + duration_s
+    n = min(100_000, clients * int(total_s * 10 + 1))
+    return Workload(spec, np.zeros(n), np.full(n, CLOSED_PROMPT_TOKENS), np.full(n, CLOSED_OUTPUT_TOKENS),
+                    total_s, capacity_rps, clients=clients, warmup_s=CLOSED_WARMUP_S)
 
 
 def _pieces(loads: list[float], weights: list[float], unit_s: float, capacity_rps: float) -> tuple:

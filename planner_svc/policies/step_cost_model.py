@@ -215,20 +215,37 @@ class StepCostModel:
     def observe_mixed(self, batch_size: int, gamma: int, draft_ms: float, verify_ms: float, prefill_tokens: int) -> None:
         """A step whose target forward also prefilled new prompts (the engine mixes them).
 
-        verify_ms ≈ v(n) + c·prefill_tokens. Where v(n) is already known, the residual teaches c
-        (a running mean); once c is known, the step also teaches v(n) with c·prefill removed.
+        verify_ms ≈ v(n) + c·prefill_tokens. Where v(n) is already known (``_decode_ms``), the
+        residual teaches c (a running mean); once c is known, the step also teaches v(n) with
+        c·prefill removed.
         """
         n = batch_size * (gamma + 1)
         if gamma > 0:
             self.draft.observe(batch_size, draft_ms / gamma)
-        cell = min(n, self.verify.top)
-        if self.verify.weight[cell] >= 4:
-            decode_ms = self.verify.mean[cell] + self.per_seq.value(batch_size)
+        decode_ms = self._decode_ms(batch_size, n)
+        if decode_ms is not None:
             per_token = max((verify_ms - decode_ms) / prefill_tokens, 0.0)
             self.prefill_seen = min(self.prefill_seen + 1.0, self.settings.weight_cap)
             self.prefill_ms_per_token += (per_token - self.prefill_ms_per_token) / self.prefill_seen
         if self.prefill_seen >= 8:
             self._observe_verify(batch_size, n, max(verify_ms - self.prefill_ms_per_token * prefill_tokens, 0.0))
+
+    def _decode_ms(self, batch_size: int, n: int) -> float | None:
+        """v(n) + r(B) where the curve knows n: a well-measured cell, or between two measured ones.
+
+        A mixed step rarely lands on a pure-decode cell: in a closed loop a new prompt joins
+        when a sequence leaves, so decode steps run at B and mixed ones at B - 1 (another n).
+        Requiring the exact cell left c unlearned (0) there, every mixed step then looked
+        ~2x dearer than predicted, and the policy's change detector restarted its schedule on
+        nearly every bin."""
+        verify = self.verify
+        cell = n if n < verify.top else verify.top
+        if verify.weight[cell] >= 4:
+            return verify.mean[cell] + self.per_seq.value(batch_size)
+        xs = verify.xs
+        if len(xs) >= 2 and xs[0] < n < xs[-1]:
+            return float(verify.predict(np.array([float(n)]))[0]) + self.per_seq.value(batch_size)
+        return None
 
     def observe_catchup(self, tokens: int, ms: float) -> None:
         decay = 0.95  # switching costs drift with context length; keep ~20 events

@@ -1,0 +1,33 @@
+"""CPU matmul that streams each weight once at small row counts: oneDNN with a prepacked weight.
+
+torch's default CPU path (MKL sgemm) re-reads a weight matrix for every few rows, so a 4-row
+verify pass costs several 1-row decode steps and speculation looks expensive at batch 1. oneDNN's
+inner product, with the weight reordered once into its blocked layout, reads the weight once for
+up to ~8-16 rows and is compute-bound beyond: the shape of a GPU step (BENCHMARKS.md, "CPU linear
+path"). CUDA keeps F.linear.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# oneDNN picks the blocked layout for this row-count hint; decode and verify passes are mostly few rows.
+PACK_ROWS_HINT = 16
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """w: [out, in] fp32 CPU -> the same matrix in oneDNN's opaque blocked layout (same numel)."""
+    if not can_pack(w.device, w.dtype) or w.dim() != 2:
+        raise ValueError(f"pack takes a 2-D fp32 CPU weight, got {w.dtype} {tuple(w.shape)} on {w.device}")
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS_HINT)
+
+
+def packed_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [N, in], w: packed [out, in] -> x @ w^T (+ add: a bias [out] or a residual [N, out]) -> [N, out]."""
+    if add is None or add.dim() == 1:
+        return torch.ops.mkldnn._linear_pointwise(x, w, add, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, add, w, None, "add")
