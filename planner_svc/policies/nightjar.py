@@ -14,7 +14,8 @@ Schedule (ADA-BinGreedy style, per bucket): the bucket's own steps form a timeli
 block j has ``bins_per_block`` bins of min(bin_max, bin_base·2^j) steps. Decisions happen only
 at bin ends, so γ changes at most twice per bin (probe and return). At a bin end the next bin
 exploits argmin L, switching only if the gain beats ``switch_margin`` plus the expected draft
-catch-up C amortised over the bin's tokens. With probability ε_j = max(ε_min, ε_0/(1+j)) it is
+catch-up C amortised over the bin's tokens, and takes the busier neighbouring bucket's γ when
+that is within ``table_margin`` (a batch hovering at a boundary does not flip γ). With probability ε_j = max(ε_min, ε_0/(1+j)) it is
 instead a short probe bin (bin_base steps) of the cheapest uncertain arm predicted within
 ``probe_margin`` of the greedy one (else a neighbour γ±1). A probe whose predicted extra time
 (its excess loss, plus C when it turns the draft on) exceeds ``probe_budget`` of the next bin's
@@ -54,6 +55,9 @@ class NightjarSettings:
     min_plays: int = 8  # an arm with fewer plays in a bucket counts as uncertain
     stale_steps: int = 5000  # ... and so does one not played for this many bucket steps
     switch_margin: float = 0.01  # hysteresis: switch only for a predicted gain above 1%
+    # A bucket takes its busier neighbour's γ when that is predicted within this of its own best:
+    # a batch that hovers at a bucket boundary would otherwise switch γ at every crossing.
+    table_margin: float = 0.03
     probe_budget: float = 0.05  # a probe runs at full rate if it costs <= 5% of the next bin's time
     change_tolerance: float = 0.3
     initial_gamma: int = 1
@@ -71,7 +75,8 @@ class NightjarSettings:
             raise ValueError("need 0 <= epsilon_min <= epsilon0 <= 1")
         if not 0 < self.probe_budget <= 1:
             raise ValueError(f"probe_budget must be in (0, 1], got {self.probe_budget}")
-        if self.probe_margin < 0 or self.switch_margin < 0 or self.change_tolerance <= 0 or self.initial_gamma < 0:
+        if (self.probe_margin < 0 or self.switch_margin < 0 or self.table_margin < 0 or self.change_tolerance <= 0
+                or self.initial_gamma < 0):
             raise ValueError("margins must be >= 0, change_tolerance > 0, initial_gamma >= 0")
 
 
@@ -265,8 +270,10 @@ class NightjarPolicy(GammaPolicy):
             observed = tl.bin_ms / tl.bin_tokens
             if abs(observed / tl.predicted - 1.0) > s.change_tolerance:
                 tl.block, tl.bin_index = 0, 0  # the world moved: explore again from the start
-        tl.exploit_arm = self._exploit_choice(tl, loss)
-        probe = self._probe_choice(tl, loss)
+        tl.exploit_arm, followed = self._follow_neighbour(tl, bucket, loss, self._exploit_choice(tl, loss))
+        # A bucket that follows a busier one does not probe: its visits are the boundary
+        # crossings, and the shared models already learn from the busier bucket's steps.
+        probe = None if followed else self._probe_choice(tl, loss)
         if probe is not None:
             tl.arm, tl.probing, tl.steps_left = probe, True, s.bin_base
         else:
@@ -317,6 +324,18 @@ class NightjarPolicy(GammaPolicy):
             tokens = min(s.bin_max, s.bin_base << min(tl.block, 20)) * batch * self.acceptance.expected_tokens()[best]
             cost += self._catchup_ms(batch) / max(tokens, 1.0)
         return best if cost < loss[current] else current
+
+    def _follow_neighbour(self, tl: _Timeline, bucket: int, loss: np.ndarray, own: int) -> tuple[int, bool]:
+        """(γ, followed): the busier neighbouring bucket's γ where it costs at most
+        ``table_margin`` here, else this bucket's own choice."""
+        near = [self.timelines[i] for i in (bucket - 1, bucket + 1) if 0 <= i < len(self.timelines)]
+        busier = max(near, key=lambda t: t.steps, default=None)
+        if busier is None or busier.steps <= tl.steps:
+            return own, False
+        ref = busier.exploit_arm
+        if loss[ref] <= loss[own] * (1.0 + self.settings.table_margin):
+            return ref, True
+        return own, False
 
     def _probe_choice(self, tl: _Timeline, loss: np.ndarray) -> int | None:
         s = self.settings

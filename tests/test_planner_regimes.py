@@ -1,0 +1,73 @@
+"""nightjar under steady closed-loop load in the simulator: the two regimes it must get right.
+
+A closed loop of C clients is a saturated queue with the batch capped at C. Where speculation
+pays at every batch size (the measured ``cpu_tiny`` surface, the regime of the live failure in
+which nightjar fell to 0.79x fixed:3), it must keep γ > 0 at every load; where a crossover exists
+(the roofline surface: compute-bound past ~16 tokens per pass), it must reach γ = 0 at high
+batch. In both, after warm-up it switches γ at most 10 times per 1,000 steps, and delivers
+>= 0.97x the best static policy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from planner_support import Recorder
+from planner_svc.policies import make_policy
+from planner_svc.simulator import SimConfig, load_table, simulate
+from planner_svc.simulator.cost_surface import roofline
+from planner_svc.simulator.trace import Trace
+
+SURFACES = Path(__file__).resolve().parents[1] / "planner_svc" / "cost_surfaces"
+STATIC = ("off", "fixed:1", "fixed:2", "fixed:3", "fixed:4")
+
+
+def closed_loop(clients: int, requests_per_client: int = 200) -> tuple[Trace, SimConfig]:
+    n = clients * requests_per_client
+    trace = Trace(f"closed:{clients}", np.zeros(n), np.full(n, 32), np.full(n, 64))
+    return trace, SimConfig(gamma_max=4, max_batch=clients, noise=0.1, seed=1, kv_tokens=1 << 17)
+
+
+def run(surface, clients: int):
+    trace, config = closed_loop(clients)
+    best_static = max(simulate(trace, make_policy(p, gamma_max=4), surface, config).throughput_tps for p in STATIC)
+    rec = Recorder(make_policy("nightjar", gamma_max=4, seed=1))
+    result = simulate(trace, rec, surface, config)
+    steady = rec.seen[len(rec.seen) // 2:]  # after warm-up
+    switches = sum(a.gamma != b.gamma for a, b in zip(steady, steady[1:]))
+    gammas = np.array([s.gamma for s in steady])
+    return result.throughput_tps / best_static, 1000.0 * switches / len(steady), gammas
+
+
+@pytest.mark.parametrize("clients", [1, 4, 16, 48])
+def test_keeps_speculating_where_speculation_always_pays(clients):
+    surface = load_table(SURFACES / "cpu_tiny.json", max_batch=256)
+    ratio, switches_per_1000, gammas = run(surface, clients)
+    assert (gammas > 0).mean() >= 0.98, np.bincount(gammas)
+    assert ratio >= 0.97, ratio
+    assert switches_per_1000 <= 10, switches_per_1000
+
+
+@pytest.mark.parametrize("clients", [1, 4, 16, 48])
+def test_turns_speculation_off_past_the_crossover(clients):
+    surface = roofline(gamma_max=4, max_batch=256)
+    ratio, switches_per_1000, gammas = run(surface, clients)
+    if clients >= 16:  # past the ridge: γ = 0 is best, by 2-18% (fixed:1 at 16, 48 clients)
+        assert (gammas == 0).mean() >= 0.9, np.bincount(gammas)
+    else:  # memory-bound: speculation pays, γ = 3 best
+        assert (gammas > 0).mean() >= 0.98, np.bincount(gammas)
+    assert ratio >= 0.97, ratio
+    assert switches_per_1000 <= 10, switches_per_1000
+
+
+def test_prefill_cost_is_learned_from_mixed_steps_off_the_decode_cells():
+    # In a closed loop a new prompt joins when a sequence leaves, so mixed steps run at B - 1
+    # and decode steps at B: the prefill cost must still be learned (it stayed 0 before).
+    surface = load_table(SURFACES / "cpu_tiny.json", max_batch=256)
+    trace, config = closed_loop(48, 60)
+    policy = make_policy("nightjar", gamma_max=4, seed=1)
+    simulate(trace, policy, surface, config)
+    assert policy.cost.prefill_ms_per_token == pytest.approx(surface.prefill_ms_per_token, rel=0.25)
