@@ -401,3 +401,47 @@ def test_odd_repeats_reverse_the_policy_order_so_a_steady_drift_cancels():
     # each policy's mean position over a pair of repeats is the same: a linear drift favours none
     assert len({policy_order(pols, 0).index(p) + policy_order(pols, 1).index(p) for p in pols}) == 1
     assert 0 < speed_probe_ms(rounds=3) < 10_000
+
+
+# --------------------------------------------------------------------------- closed loop
+
+
+def test_closed_workload_spec():
+    from nightjar.bench.workload import CLOSED_OUTPUT_TOKENS, CLOSED_WARMUP_S
+
+    wl = build("closed:16", 3.0, 30)
+    assert wl.clients == 16 and wl.warmup_s == CLOSED_WARMUP_S and wl.duration_s == 30 + CLOSED_WARMUP_S
+    assert set(wl.output_tokens.tolist()) == {CLOSED_OUTPUT_TOKENS} and len(wl) >= 16 * 30
+    for bad in ("closed:0", "closed:x", "closed:5000"):
+        with pytest.raises(ValueError, match="closed"):
+            build(bad, 1.0, 10)
+
+
+async def test_loadgen_closed_loop_keeps_exactly_c_in_flight(scripted_server):
+    servicer, target = scripted_server
+    servicer.step_s = 0.01
+    n = 400
+    wl = Workload("closed:3", np.zeros(n), np.full(n, 2), np.full(n, 6), 1.0, 1.0, clients=3, warmup_s=0.3)
+    t0 = time.monotonic()
+    res = await run_load(wl, [f"p{i} x" for i in range(n)], LoadConfig(target=target, drain_timeout_s=2, progress=False))
+    assert time.monotonic() - t0 < 2.5
+    sent = [r for r in res.records if r.status != "not_sent"]
+    assert servicer.peak == 3  # never more than C in flight, and C reached
+    assert 3 * 4 <= len(sent) < n and all(r.ok for r in sent)
+    assert max(r.sent_s for r in sent) < 1.0  # no request starts after the run's end
+    # each client sends its next request as its last one ends: sends follow completions closely
+    ends = sorted(r.end_s for r in sent)
+    starts = sorted(r.sent_s for r in sent)[3:]
+    assert all(s - e < 0.05 for s, e in zip(starts, ends))
+    full, counted = report.summarize(res), report.summarize(res, warmup_s=wl.warmup_s)
+    assert counted["sent"] < full["sent"] and counted["makespan_s"] < full["makespan_s"]
+
+
+def test_goal_rows_best_static_takes_the_best_of_each_repeat():
+    runs = [_run("nightjar", "closed:16", 100, 1.0, 0.2), _run("off", "closed:16", 90, 1.0, 0.2),
+            _run("fixed:2", "closed:16", 104, 1.0, 0.2), _run("table:4=1", "closed:16", 200, 1.0, 0.2),
+            {**_run("nightjar", "closed:16", 99, 1.0, 0.2), "repeat": 1}, {**_run("off", "closed:16", 100, 1.0, 0.2), "repeat": 1}]
+    (row,) = [r for r in report.goal_rows(runs, {"closed:16": "closed"})]
+    assert row["baseline"] == "best-static"  # the table policy is not static: it is not a baseline here
+    assert row["ratios"] == pytest.approx([100 / 104, 0.99])
+    assert row["ratio"] == pytest.approx((100 / 104 + 0.99) / 2) and row["met"] is True  # median of two, >= 0.97

@@ -393,7 +393,9 @@ async def _one_policy(cmp: Comparison, cfg: CompareConfig, policy: str, rep: int
         for plan, wl, texts in zip(cfg.workloads, workloads, prompts):
             if not await wait_idle(stack):
                 log(f"policy {policy}: the stack was still busy after 30 s; starting {plan.spec} anyway")
-            log(f"policy {policy} (repeat {rep + 1}/{cfg.repeats}): workload {plan.spec} ({len(wl)} requests over {plan.duration_s:.0f} s)")
+            shape = (f"{wl.clients} clients, {plan.duration_s:.0f} s after {wl.warmup_s:.0f} s of warm-up" if wl.clients
+                     else f"{len(wl)} requests over {plan.duration_s:.0f} s")
+            log(f"policy {policy} (repeat {rep + 1}/{cfg.repeats}): workload {plan.spec} ({shape})")
             speed = speed_probe_ms()
             result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | {plan.spec}")
             run = report.summarize(result, steps, warmup_s=wl.warmup_s)
