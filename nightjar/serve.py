@@ -24,7 +24,7 @@ def add_stack_args(p: argparse.ArgumentParser, *, port: int) -> None:
     p.add_argument("--workers", type=int, default=1, help="worker processes")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one (env NIGHTJAR_REDIS_URL is not used here)")
     p.add_argument("--key-prefix", default=env.key_prefix)
-    p.add_argument("--policy", default="nightjar", help="nightjar | off | fixed:γ | threshold:B | table:... | ucb | heuristic")
+    p.add_argument("--policy", default="nightjar", help="nightjar | off | fixed:γ | threshold:B | table:... | ucb | heuristic | ema")
     p.add_argument("--target", type=Path, default=paths.DEFAULT_TARGET, help="target model folder")
     p.add_argument("--draft", type=Path, default=paths.DEFAULT_DRAFT, help="draft model folder")
     p.add_argument("--no-draft", action="store_true", help="serve without a draft model (no speculation)")

@@ -31,7 +31,7 @@ class StackConfig:
     workers: int = 1
     redis_url: str | None = None  # None = start the embedded redis-server
     key_prefix: str = "nj"
-    policy: str = "nightjar"  # handed to the planner: nightjar | off | fixed:γ | threshold:B | table:... | ucb | heuristic
+    policy: str = "nightjar"  # handed to the planner: nightjar | off | fixed:γ | threshold:B | table:... | ucb | heuristic | ema
     planner: bool = True  # False: no planner (workers keep their default γ)
     target_path: Path = paths.DEFAULT_TARGET
     draft_path: Path | None = paths.DEFAULT_DRAFT  # None = no speculation

@@ -9,6 +9,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The tests run the small pair wherever they rely on the default one (nightjar/paths.py); the
+# serving pair's own tests name it explicitly.
+os.environ.setdefault("NIGHTJAR_DEFAULT_PAIR", "tiny")
 
 
 @pytest.fixture(scope="session")

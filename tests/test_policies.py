@@ -15,7 +15,7 @@ from planner_svc.policies.residency import ResidencyController, ResidencySetting
 from planner_svc.policies.step_cost_model import StepCostModel
 
 ALL_SPECS = ["nightjar", "nightjar-nooffload", "off", "fixed:3", "threshold:8", "table:1=4,4=2,16=1,32=0", "ucb",
-             "heuristic"]
+             "heuristic", "ema"]
 
 
 def stats(batch: int, gamma: int, *, verify_ms: float = 5.0, draft_ms: float = 0.0, accepted=(), emitted: int = 0,

@@ -2,7 +2,8 @@
 
 Specs: ``nightjar``, ``nightjar-nooffload``, ``off``, ``fixed:G``, ``threshold:B`` (or
 ``threshold:B:G``; γ = G, default min(3, γmax), up to batch B, then 0), ``table:1=4,4=2,16=1,32=0``
-(γ of the smallest listed batch size >= B; past the largest, its value), ``ucb``, ``heuristic``.
+(γ of the smallest listed batch size >= B; past the largest, its value), ``ucb``, ``heuristic``,
+``ema`` (SGLang's --speculative-adaptive).
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from planner_svc.policies.base import DEFAULT_BUCKETS, GammaPolicy
+from planner_svc.policies.ema import EmaPolicy
 from planner_svc.policies.heuristic import HeuristicPolicy
 from planner_svc.policies.nightjar import NightjarPolicy, NightjarSettings
 from planner_svc.policies.static import StaticPolicy, StaticSettings
 from planner_svc.policies.ucb import UcbPolicy
 
-SPECS = ("nightjar", "nightjar-nooffload", "off", "fixed:G", "threshold:B[:G]", "table:B=G,...", "ucb", "heuristic")
+SPECS = ("nightjar", "nightjar-nooffload", "off", "fixed:G", "threshold:B[:G]", "table:B=G,...", "ucb", "heuristic", "ema")
 
 
 def _int(text: str, what: str, spec: str) -> int:
@@ -66,4 +68,6 @@ def make_policy(spec: str, *, gamma_max: int, seed: int = 0, buckets: tuple[int,
         return UcbPolicy(gamma_max=gamma_max, buckets=buckets)
     if name == "heuristic" and not arg:
         return HeuristicPolicy(gamma_max=gamma_max, buckets=buckets)
+    if name == "ema" and not arg:
+        return EmaPolicy(gamma_max=gamma_max, buckets=buckets)
     raise ValueError(f"unknown policy spec {spec!r}; expected one of: {', '.join(SPECS)}")
