@@ -445,3 +445,22 @@ def test_goal_rows_best_static_takes_the_best_of_each_repeat():
     assert row["baseline"] == "best-static"  # the table policy is not static: it is not a baseline here
     assert row["ratios"] == pytest.approx([100 / 104, 0.99])
     assert row["ratio"] == pytest.approx((100 / 104 + 0.99) / 2) and row["met"] is True  # median of two, >= 0.97
+
+
+def test_headline_runs_every_peer_on_every_goal_workload_three_times(tmp_path, monkeypatch):
+    from nightjar.bench import cli, compare
+
+    class Captured(Exception):
+        pass
+
+    def capture(cfg, log):
+        raise Captured(cfg)
+
+    monkeypatch.setattr(compare, "run_comparison", capture)
+    with pytest.raises(Captured) as got:
+        cli.main(["--headline", "--no-progress", "--out", str(tmp_path)])
+    cfg = got.value.args[0]
+    assert cfg.repeats == 3 and {"ema", "heuristic", "nightjar", "nightjar-nooffload", "fixed:G", "off"} <= set(cfg.policies)
+    kinds = {w.spec.split(":")[0].split("@")[0]: w.duration_s for w in cfg.workloads}
+    assert {"burst", "oscillation", "ramp", "azure_conv", "azure_code", "poisson"} <= set(kinds)
+    assert all(w.duration_s >= 120 for w in cfg.workloads if w.kind == "dynamic")

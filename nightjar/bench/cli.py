@@ -24,6 +24,12 @@ from nightjar import paths
 # baseline, not a guess.
 FULL_POLICIES = ("off", "fixed:G", "threshold:4:G", "table:4=4,8=3,16=4,64=1", "ucb", "nightjar", "nightjar-nooffload")
 FULL_WORKLOADS = ("burst@30", "azure_conv@25", "poisson:0.3@10", "poisson:1.5@15")
+# --headline: every peer's γ policy on every workload the goals name, runs long enough to beat the
+# machine's drift (>= 2 min per dynamic trace), three interleaved repeats.
+HEADLINE_POLICIES = ("off", "fixed:G", "threshold:4:G", "table:4=4,8=3,16=4,64=1", "ucb", "heuristic", "ema", "nightjar",
+                     "nightjar-nooffload")
+HEADLINE_WORKLOADS = ("burst@120", "oscillation@120", "ramp@120", "azure_conv@120", "azure_code@120", "poisson:0.3@60",
+                      "poisson:1.5@60")
 QUICK_POLICIES = ("fixed:G", "nightjar")
 QUICK_WORKLOADS = ("burst@20",)
 # Timelines copied into --plots-dir (every run's timeline stays in the output folder).
@@ -45,7 +51,11 @@ def _workload(text: str):
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nightjar bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run: fixed-γ vs nightjar on a 20 s burst (a few minutes)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="smoke run: fixed-γ vs nightjar on a 20 s burst (a few minutes)")
+    mode.add_argument("--headline", action="store_true",
+                      help="the whole headline matrix: every peer policy (incl. ema, heuristic) on burst, oscillation, "
+                           "ramp, the Azure replays and steady low/overload, 3 repeats (hours; progress and ETA on stderr)")
     p.add_argument("--target", default=None, help="HOST:PORT of a running stack (no restarts, no comparison)")
     p.add_argument("--redis-url", default=None, help="with --target: the stack's Redis, for the engine-side metrics")
     p.add_argument("--key-prefix", default="nj")
@@ -102,8 +112,13 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
     from nightjar.bench import plots, report
     from nightjar.bench.compare import CompareConfig, run_comparison
 
-    policies = tuple(a.policies or (QUICK_POLICIES if a.quick else FULL_POLICIES))
-    workloads = tuple(a.workloads or [_workload(w) for w in (QUICK_WORKLOADS if a.quick else FULL_WORKLOADS)])
+    default_policies, default_workloads = ((QUICK_POLICIES, QUICK_WORKLOADS) if a.quick else
+                                           (HEADLINE_POLICIES, HEADLINE_WORKLOADS) if a.headline else
+                                           (FULL_POLICIES, FULL_WORKLOADS))
+    policies = tuple(a.policies or default_policies)
+    workloads = tuple(a.workloads or [_workload(w) for w in default_workloads])
+    if a.headline and a.repeats == 1:
+        a.repeats = 3
     fixed_gamma = a.fixed_gamma if a.fixed_gamma is not None else (3 if a.quick else None)
     capacity = a.capacity_rps
     if a.calibration is not None:

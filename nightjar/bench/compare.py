@@ -371,10 +371,14 @@ async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
     if cal["capacity_rps"] is not None:
         plan_workloads()
     gamma = cal["fixed_gamma"]
+    total, t_start = cfg.repeats * len(cfg.policies), time.monotonic()
     for rep in range(cfg.repeats):
-        for spec in policy_order(cfg.policies, rep):
+        for i, spec in enumerate(policy_order(cfg.policies, rep)):
             policy = resolve_policy(spec, gamma)
             await _one_policy(cmp, cfg, policy, rep, bank, workloads, prompts, plan_workloads, log)
+            done = rep * len(cfg.policies) + i + 1
+            eta_s = (time.monotonic() - t_start) / done * (total - done)
+            log(f"progress {done}/{total} stacks" + (f", ETA {eta_s / 60:.0f} min" if done < total else ""))
     return cmp
 
 
