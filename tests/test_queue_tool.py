@@ -330,6 +330,8 @@ def test_model_shows_what_the_planner_learned(r, keys, q):
     assert step == sorted(step) and step[0] == pytest.approx(5.0 + 0.5 * row["mean_batch"], rel=0.15)
     code, text = q("model", json_out=False)
     assert code == 0 and "nightjar v7" in text and "predicted ms / token" in text
+    assert m["switches"] == policy.switches and m["prefill_ms_per_token"] == 0.0  # no step carried a prefill
+    assert [b["block"] for b in m["buckets"]] == [t.block for t in policy.timelines] and f"(block {row['block']})" in text
     r.set(keys.planner_state, b"\xc1")  # not msgpack: a clear error, not a crash
     assert q("model")[1]["model"] is None and "unreadable" in q("model")[1]["error"]
     r.set(keys.planner_state, encode_state(PlannerConfig(policy="fixed:2", gamma_max=3), 1,

@@ -248,7 +248,7 @@ class QueueReader:
         for i, tl in enumerate(policy.timelines):
             sizes, weights = tl.support()
             row = {"batch_sizes": [tl.lo, tl.hi], "gamma": tl.arm, "steps": tl.steps, "plays": list(tl.plays),
-                   "mean_batch": round(float(weights @ sizes), 2)}
+                   "mean_batch": round(float(weights @ sizes), 2), "block": tl.block}
             if cost.ready:
                 step = cost.step_ms(np.array([row["mean_batch"]]), policy.gamma_max)[0]  # [G+1]
                 row["step_ms"] = [round(float(x), 3) for x in step]
@@ -256,7 +256,8 @@ class QueueReader:
             buckets.append(row)
         return {"model": {"policy": state["policy"], "version": state.get("version"),
                           "age_s": self._age_s(int(state.get("saved_unix_ms", 0))),
-                          "updates": policy.updates, "gamma_max": policy.gamma_max,
+                          "updates": policy.updates, "gamma_max": policy.gamma_max, "switches": policy.switches,
+                          "prefill_ms_per_token": round(cost.prefill_ms_per_token, 4),
                           "expected_tokens": [round(float(x), 3) for x in policy.acceptance.expected_tokens()],
                           "buckets": buckets}, "error": None}
 

@@ -86,10 +86,12 @@ def model_view(doc: dict[str, Any]) -> Group | Text:
     m = doc["model"]
     if m is None:
         return _absent(doc, "model", "no planner state saved yet")
-    head = Text(f"{m['policy']} v{m['version']}, saved {_fmt(m['age_s'])} s ago, {m['updates']} steps learned; "
+    head = Text(f"{m['policy']} v{m['version']}, saved {_fmt(m['age_s'])} s ago, {m['updates']} steps learned, "
+                f"{m['switches']} table switches; prefill {m['prefill_ms_per_token']} ms/token; "
                 f"expected tokens per step by γ: {m['expected_tokens']}")
+    # block: the bucket's schedule block (bins grow with it; a bucket stuck at 0 keeps exploring)
     rows = [{"batch": f"{b['batch_sizes'][0]}–{b['batch_sizes'][1]}", "mean": b["mean_batch"], "gamma": b["gamma"],
-             "steps": b["steps"], "plays": " ".join(map(str, b["plays"])),
+             "steps": f"{b['steps']} (block {b['block']})", "plays": " ".join(map(str, b["plays"])),
              "step": " ".join(f"{x:.1f}" for x in b.get("step_ms", ())) or "–",
              "loss": " ".join(f"{x:.2f}" for x in b.get("ms_per_token", ())) or "–"} for b in m["buckets"]]
     table = _table("per batch-size bucket (lists are γ = 0, 1, …)", [
