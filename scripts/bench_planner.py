@@ -29,7 +29,7 @@ TRACES = ["poisson:0.2", "poisson:0.5", "poisson:0.8", "poisson:1.2", "burst", "
           "azure_conv", "azure_code"]
 DYNAMIC = {"burst", "ramp", "oscillation", "azure_conv", "azure_code"}
 POLICIES = ["nightjar", "nightjar-nooffload", "off", "fixed:3", "threshold:8", "table:1=4,4=2,16=1,32=0", "ucb",
-            "heuristic"]
+            "heuristic", "ema"]
 FIXED = "fixed:3"
 
 
