@@ -20,6 +20,9 @@ def parse_config(argv: list[str]) -> PlannerConfig:
     p.add_argument("--buckets", default=",".join(map(str, PlannerConfig().buckets)),
                    help="batch-size bucket upper bounds, ascending, comma-separated")
     p.add_argument("--consumer", default=None, help="consumer name in the stats group (default: unique per process)")
+    p.add_argument("--prior-surface", default=None,
+                   help="warm-start nightjar from this offline cost surface (JSON of scripts/bench_speculation.py, "
+                        "measured on the same machine and models); default: learn online from nothing")
     add_common_args(p, env)
     a = p.parse_args(argv)
     extra = {"consumer": a.consumer} if a.consumer else {}
@@ -27,7 +30,7 @@ def parse_config(argv: list[str]) -> PlannerConfig:
         buckets = tuple(int(x) for x in a.buckets.split(",") if x.strip())
         return PlannerConfig(redis_url=a.redis_url, key_prefix=a.key_prefix, policy=a.policy, gamma_max=a.gamma_max,
                              ttl_s=a.ttl_s, seed=a.seed, buckets=buckets, metrics_port=a.metrics_port,
-                             log_level=a.log_level, **extra)
+                             log_level=a.log_level, prior_surface=a.prior_surface, **extra)
     except ValueError as exc:
         p.error(str(exc))
 

@@ -33,6 +33,9 @@ class PlannerConfig:
     save_interval_s: float = 5.0  # state snapshot to Redis at least this often while learning
     metrics_port: int = 0
     log_level: str = "INFO"
+    # An offline cost surface (scripts/bench_speculation.py's JSON) to warm-start a model-based
+    # policy from; live steps override it. None: learn everything online.
+    prior_surface: str | None = None
 
     def __post_init__(self) -> None:
         check_redis_url(self.redis_url)
@@ -48,6 +51,16 @@ class PlannerConfig:
             raise ValueError("read_count and read_block_ms must be >= 1, save_interval_s > 0")
         if not self.consumer:
             raise ValueError("consumer name must be non-empty")
+        if self.prior_surface is not None:
+            self.surface_prior()  # raises with the file's problem
+
+    def surface_prior(self):
+        """The --prior-surface file as a policy prior (None without one)."""
+        if self.prior_surface is None:
+            return None
+        from planner_svc.simulator.cost_surface import load_table
+
+        return load_table(self.prior_surface, max_batch=max(256, self.buckets[-1])).prior()
 
     @property
     def republish_s(self) -> float:

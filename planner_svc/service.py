@@ -63,6 +63,9 @@ class PlannerService:
         self.keys = Keys(config.key_prefix)
         self.policy: GammaPolicy = make_policy(config.policy, gamma_max=config.gamma_max, seed=config.seed,
                                                buckets=config.buckets)
+        prior = config.surface_prior()
+        if prior is not None:  # a saved state, when one is resumed, replaces it (start())
+            self.policy.warm_start(prior)
         self.version = 0
         self.published: tuple[tuple[int, ...], dict[str, str]] | None = None
         self.published_at = 0.0

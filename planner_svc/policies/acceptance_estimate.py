@@ -61,6 +61,13 @@ class AcceptanceEstimate:
                 break  # later positions had no trials; leave their estimates alone
         self._expected = None
 
+    def seed(self, alphas: list[float], trials: float = 64.0) -> None:
+        """Start from offline per-position acceptance, worth ``trials`` sequences a position."""
+        for i, a in enumerate(alphas[: self.gamma_max]):
+            self.successes[i] = min(max(float(a), 0.0), 1.0) * trials
+            self.trials[i] = trials
+        self._expected = None
+
     def alphas(self) -> list[float]:
         out, mean = [], self.settings.prior_mean
         k = self.settings.prior_strength

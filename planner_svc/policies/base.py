@@ -29,6 +29,24 @@ class Context:
 
 
 @dataclass(frozen=True)
+class SurfacePrior:
+    """An offline cost surface as a policy's prior: per measured batch size, draft and verify ms
+    of one step at each γ ([len(batch_sizes)][γ+1]), and per-position acceptance."""
+
+    batch_sizes: tuple[int, ...]
+    draft_ms: tuple[tuple[float, ...], ...]
+    verify_ms: tuple[tuple[float, ...], ...]
+    acceptance: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.batch_sizes)
+        if not n or len(self.draft_ms) != n or len(self.verify_ms) != n:
+            raise ValueError("a surface prior needs draft_ms and verify_ms rows for every batch size")
+        if any(len(d) != len(v) or min(v) <= 0 or min(d) < 0 for d, v in zip(self.draft_ms, self.verify_ms)):
+            raise ValueError("a surface prior's rows must be as long as each other, verify_ms > 0, draft_ms >= 0")
+
+
+@dataclass(frozen=True)
 class Decision:
     gamma: int
     residency: str = RESIDENT  # directive for the context's worker
@@ -69,6 +87,9 @@ class GammaPolicy(ABC):
 
     def update(self, stats: StepStats) -> None:  # noqa: B027 - static policies learn nothing
         """Learn from one engine step."""
+
+    def warm_start(self, prior: SurfacePrior) -> None:  # noqa: B027 - only model-based policies use one
+        """Start from an offline cost surface (a prior that live steps then override)."""
 
     def table(self) -> tuple[int, ...]:
         """γ per bucket (what the service publishes); the bucket's upper bound stands for it."""

@@ -39,7 +39,7 @@ import numpy as np
 
 from nightjar.messages import StepStats
 from planner_svc.policies.acceptance_estimate import AcceptanceEstimate, AcceptanceSettings
-from planner_svc.policies.base import DEFAULT_BUCKETS, GammaPolicy, bucket_index
+from planner_svc.policies.base import DEFAULT_BUCKETS, GammaPolicy, SurfacePrior, bucket_index
 from planner_svc.policies.residency import ResidencyController, ResidencySettings
 from planner_svc.policies.step_cost_model import StepCostModel, StepCostSettings
 
@@ -61,6 +61,7 @@ class NightjarSettings:
     probe_budget: float = 0.05  # a probe runs at full rate if it costs <= 5% of the next bin's time
     change_tolerance: float = 0.3
     initial_gamma: int = 1
+    prior_block: int = 2  # a warm start (an offline surface) begins each bucket's schedule at this block
     offload: bool = True
     acceptance: AcceptanceSettings = field(default_factory=AcceptanceSettings)
     cost: StepCostSettings = field(default_factory=StepCostSettings)
@@ -69,8 +70,8 @@ class NightjarSettings:
     def __post_init__(self) -> None:
         if not 1 <= self.bin_base <= self.bin_max:
             raise ValueError(f"need 1 <= bin_base <= bin_max, got {self.bin_base}, {self.bin_max}")
-        if self.bins_per_block < 1 or self.min_plays < 0 or self.stale_steps < 1:
-            raise ValueError("bins_per_block and stale_steps must be >= 1, min_plays >= 0")
+        if self.bins_per_block < 1 or self.min_plays < 0 or self.stale_steps < 1 or self.prior_block < 0:
+            raise ValueError("bins_per_block and stale_steps must be >= 1, min_plays and prior_block >= 0")
         if not 0 <= self.epsilon_min <= self.epsilon0 <= 1:
             raise ValueError("need 0 <= epsilon_min <= epsilon0 <= 1")
         if not 0 < self.probe_budget <= 1:
@@ -176,6 +177,17 @@ class NightjarPolicy(GammaPolicy):
         self.updates = 0
         self.bins_ended = 0
         self.switches = 0  # table changes (bin decisions that changed a bucket's γ)
+
+    def warm_start(self, prior: SurfacePrior) -> None:
+        """Start the cost and acceptance models from an offline surface, and every bucket at the
+        γ it predicts; live steps override both within a few dozen steps of a cell. Without a
+        prior the policy starts at ``initial_gamma`` and learns everything online."""
+        self.cost.seed(list(prior.batch_sizes), [list(r) for r in prior.draft_ms], [list(r) for r in prior.verify_ms])
+        if prior.acceptance:
+            self.acceptance.seed(list(prior.acceptance))
+        self._seed_unvisited()
+        for tl in self.timelines:  # the model is already informed: explore as a few blocks in would
+            tl.block = self.settings.prior_block
 
     # --- select --------------------------------------------------------------------------------
     def gamma_for(self, batch_size: int) -> int:

@@ -230,6 +230,17 @@ class StepCostModel:
         if self.prefill_seen >= 8:
             self._observe_verify(batch_size, n, max(verify_ms - self.prefill_ms_per_token * prefill_tokens, 0.0))
 
+    def seed(self, batch_sizes: list[int], draft_ms: list[list[float]], verify_ms: list[list[float]],
+             weight: float = 4.0) -> None:
+        """Start from an offline surface: draft_ms, verify_ms [len(batch_sizes)][γ+1] per step.
+        Each cell is observed ``weight`` times, round robin, through the same backfitting as a
+        live step (so v(n) and r(B) separate as they do online); live steps, whose weight is
+        capped at ``weight_cap``, then take over."""
+        for _ in range(int(weight)):
+            for b, drafts, verifies in zip(batch_sizes, draft_ms, verify_ms):
+                for g, (d, v) in enumerate(zip(drafts, verifies)):
+                    self.observe(b, g, d, v)
+
     def _decode_ms(self, batch_size: int, n: int) -> float | None:
         """v(n) + r(B) where the curve knows n: a well-measured cell, or between two measured ones.
 

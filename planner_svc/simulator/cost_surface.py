@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from planner_svc.policies.base import SurfacePrior
+
 
 @dataclass(frozen=True)
 class RooflineSettings:
@@ -68,6 +70,12 @@ class CostSurface:
 
     def step_ms(self, batch: int, gamma: int) -> float:
         return self.draft_ms[batch][gamma] + self.verify_ms[batch][gamma]
+
+    def prior(self) -> SurfacePrior:
+        """This surface at batch 1, 2, 4, … as a policy's prior (``GammaPolicy.warm_start``)."""
+        sizes = tuple(1 << i for i in range(self.max_batch.bit_length()) if 1 << i <= self.max_batch)
+        return SurfacePrior(sizes, tuple(tuple(self.draft_ms[b]) for b in sizes),
+                            tuple(tuple(self.verify_ms[b]) for b in sizes), tuple(self.acceptance or ()))
 
 
 def roofline(gamma_max: int = 4, max_batch: int = 256, settings: RooflineSettings = RooflineSettings()) -> CostSurface:
@@ -108,8 +116,13 @@ def _rows(batch_sizes: np.ndarray, table: np.ndarray, max_batch: int) -> np.ndar
     return out
 
 
+MAX_TABLE_BYTES = 4 << 20  # a measured surface is a few kB
+
+
 def load_table(path: str | Path, max_batch: int = 256, draft_ratio: float = 1 / 6) -> CostSurface:
     try:
+        if Path(path).stat().st_size > MAX_TABLE_BYTES:
+            raise ValueError(f"larger than {MAX_TABLE_BYTES} bytes")
         raw = json.loads(Path(path).read_text())
         sizes = np.asarray(raw["batch_sizes"], dtype=float)
         gammas = list(raw["gammas"])
