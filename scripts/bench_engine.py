@@ -29,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from nightjar import paths  # noqa: E402
 from nightjar.messages import SamplingParams  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
 from worker.engine import Engine, EngineRequest  # noqa: E402
@@ -133,7 +134,7 @@ def profile_batch1(eng: Engine, work) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(ROOT / "models" / "tiny-target"))
+    ap.add_argument("--target", default=str(paths.DEFAULT_TARGET))
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompt-tokens", type=int, default=64)

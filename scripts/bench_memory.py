@@ -36,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from nightjar import paths  # noqa: E402
 from nightjar.messages import SamplingParams  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
 from worker.draft_mover import plain_copy_seconds  # noqa: E402
@@ -288,8 +289,8 @@ def plot(path: Path, elastic: Driver, resident: Driver, share: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(ROOT / "models" / "tiny-target"))
-    ap.add_argument("--draft", default=str(ROOT / "models" / "tiny-draft"))
+    ap.add_argument("--target", default=str(paths.DEFAULT_TARGET))
+    ap.add_argument("--draft", default=str(paths.DEFAULT_DRAFT))
     ap.add_argument("--draft-share", type=float, default=0.6, help="draft weight bytes as a share of the KV pool")
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--ramp-requests", type=int, default=60)

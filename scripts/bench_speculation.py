@@ -10,8 +10,8 @@ catch-up when γ was 0 before); the catch-ups are recorded separately and fitted
 catchup_ms = fixed + per_token * tokens. Step time per cell = interquartile mean (the box is
 shared); tokens/s = mean tokens per step / that step time. Greedy decoding, EOS ignored.
 
-Writes planner_svc/cost_surfaces/cpu_tiny.json (the planner's simulator input; format in
-BENCHMARKS.md) and benchmarks/speculation_tokens_per_s.png.
+Writes planner_svc/cost_surfaces/cpu_NAME.json (the planner's simulator input and prior; format
+in BENCHMARKS.md) and benchmarks/speculation_tokens_per_s_NAME.png, NAME from the target folder.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from nightjar import paths  # noqa: E402
 from nightjar.messages import SamplingParams  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
 from worker.engine import Engine, EngineRequest  # noqa: E402
@@ -98,8 +99,8 @@ def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(ROOT / "models" / "tiny-target"))
-    ap.add_argument("--draft", default=str(ROOT / "models" / "tiny-draft"))
+    ap.add_argument("--target", default=str(paths.DEFAULT_TARGET))
+    ap.add_argument("--draft", default=str(paths.DEFAULT_DRAFT))
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")
     ap.add_argument("--gamma-max", type=int, default=6)
     ap.add_argument("--steps", type=int, default=5, help="measured steps per (γ, round)")
@@ -113,9 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
     ap.add_argument("--kv-mib", type=int, default=768, help="KV budget: 64 sequences must grow without preemption")
-    ap.add_argument("--out", default=str(ROOT / "planner_svc" / "cost_surfaces" / "cpu_tiny.json"))
-    ap.add_argument("--plot", default=str(ROOT / "benchmarks" / "speculation_tokens_per_s.png"))
+    ap.add_argument("--out", default=None, help="default planner_svc/cost_surfaces/cpu_NAME.json, NAME the target's "
+                                                  "folder without '-target' (serve, tiny)")
+    ap.add_argument("--plot", default=None, help="default benchmarks/speculation_tokens_per_s_NAME.png")
     args = ap.parse_args(argv)
+    name = Path(args.target).name.removesuffix("-target")
+    args.out = args.out or str(ROOT / "planner_svc" / "cost_surfaces" / f"cpu_{name}.json")
+    args.plot = args.plot or str(ROOT / "benchmarks" / f"speculation_tokens_per_s_{name}.png")
     torch.set_num_threads(args.threads)
     batches = [int(x) for x in args.batches.split(",")]
     gammas = list(range(args.gamma_max + 1))

@@ -22,8 +22,10 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from nightjar import paths  # noqa: E402
 from recipe.prompts import read_prompts  # noqa: E402
 from recipe.timing import decode_ms  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel  # noqa: E402
@@ -121,7 +123,7 @@ def load_pair(target_dir: Path, draft_dir: Path) -> tuple[PreTrainedModel, PreTr
     return target, draft
 
 
-def measure_acceptance(target_dir: Path = ROOT / "models" / "tiny-target", draft_dir: Path = ROOT / "models" / "tiny-draft",
+def measure_acceptance(target_dir: Path = paths.DEFAULT_TARGET, draft_dir: Path = paths.DEFAULT_DRAFT,
                        prompts_path: Path = ROOT / "models" / "prompts.jsonl", n_prompts: int = 8,
                        new_tokens: int = 32, seed: int = 0) -> AcceptanceReport:
     tok = AutoTokenizer.from_pretrained(target_dir)
@@ -148,8 +150,8 @@ def format_report(r: AcceptanceReport) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=ROOT / "models" / "tiny-target")
-    ap.add_argument("--draft", type=Path, default=ROOT / "models" / "tiny-draft")
+    ap.add_argument("--target", type=Path, default=paths.DEFAULT_TARGET)
+    ap.add_argument("--draft", type=Path, default=paths.DEFAULT_DRAFT)
     ap.add_argument("--prompt-file", type=Path, default=ROOT / "models" / "prompts.jsonl")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)

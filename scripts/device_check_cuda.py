@@ -38,6 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from nightjar import paths  # noqa: E402
 from nightjar.messages import SamplingParams  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
 from worker.draft_mover import DraftMover, plain_copy_seconds  # noqa: E402
@@ -260,8 +261,8 @@ def check_identity(args, device: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(ROOT / "models" / "tiny-target"))
-    ap.add_argument("--draft", default=str(ROOT / "models" / "tiny-draft"))
+    ap.add_argument("--target", default=str(paths.DEFAULT_TARGET))
+    ap.add_argument("--draft", default=str(paths.DEFAULT_DRAFT))
     ap.add_argument("--dtype", default="bfloat16", help="dtype of the decode engine in the overlap check")
     ap.add_argument("--draft-gb", type=float, default=2.0, help="synthetic draft size on CUDA (a 1B draft in bf16)")
     ap.add_argument("--cpu-draft-gb", type=float, default=0.05, help="synthetic draft size on the CPU path")
