@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from gateway.admission import AdmissionTable
 from gateway.config import GatewayConfig
 from gateway.follower import RequestQueue
+from gateway.inference import Inference
 from gateway.output_reader import OutputReader
 from gateway.interceptors import ErrorInterceptor
 from gateway.servicer import InferenceServicer
@@ -59,6 +60,7 @@ class Gateway:
         self.reader = OutputReader(self._redis, self._reader_redis, cfg.read_block_ms)
         direct = DirectDispatch(self._redis, self.keys, cfg.assignment_ttl_s) if cfg.direct_dispatch else None
         self.queue = RequestQueue(self._redis, self.keys, self.reader, cancel_ttl_s=cfg.cancel_ttl_s, direct=direct)
+        self.inference = Inference(cfg, self._tokenizer, self.queue, self.table)
         self.health = HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -66,10 +68,12 @@ class Gateway:
         self._status: int | None = None
 
     async def start(self) -> int:
+        # A message may carry the longest prompt that could fit the context, and then some fields.
+        max_message = max(4 << 20, self.inference.limits.max_prompt_bytes + (64 << 10))
         server = grpc.aio.server(interceptors=[ErrorInterceptor(self.cfg.auth_token)],
-                                 options=[("grpc.so_reuseport", 0), *METADATA_LIMITS])
-        inference_pb2_grpc.add_InferenceServiceServicer_to_server(
-            InferenceServicer(self.cfg, self._tokenizer, self.queue, self.table), server)
+                                 options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message),
+                                          *METADATA_LIMITS])
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.inference), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
@@ -105,6 +109,7 @@ class Gateway:
         await self._reader_redis.aclose()
         await self._redis.aclose()
         await self._probe.aclose()
+        self.inference.close()
         self.server = None
 
     async def wait(self) -> None:
