@@ -36,6 +36,7 @@ class GatewayConfig:
     direct_dispatch: bool = True  # put jobs into a worker's inbox under the scheduler's lease (nightjar.dispatch_lease)
     assignment_ttl_s: float = ASSIGNMENT_TTL_S  # as the scheduler's, for the jobs dispatched directly
     http_port: int | None = None  # OpenAI-compatible HTTP API on this port (0 = any free one); None = off
+    served_model_name: str = ""  # "" = the target folder's name (nightjar serve passes MODEL as given)
     chat_template: Path | None = None  # Jinja file for /v1/chat/completions; None = the tokenizer's own
     tokenizer_workers: int = 2  # threads that tokenize prompts (off the event loop)
     context_tokens: int = 0  # the engine's real context (nightjar serve computes it); 0 = the checkpoints' own
@@ -73,7 +74,8 @@ class GatewayConfig:
 
     @property
     def model_name(self) -> str:
-        return self.target_path.name
+        """The name clients see (GetModelInfo, /v1/models, the OpenAI 'model' field)."""
+        return self.served_model_name or self.target_path.name
 
     @property
     def draft_name(self) -> str:
