@@ -54,6 +54,13 @@ class StackConfig:
     # Prometheus scrapes several processes, and each worker's series told apart by its port.
     metrics_port: int = 0
     http_port: int | None = None  # the gateway's OpenAI HTTP API: None = off, 0 = a free port
+    # Pass-through limits (nightjar serve's vLLM-shaped flags); None = the services' defaults.
+    context_tokens: int | None = None  # the served context (nightjar.model_check): gateway limit and worker max_model_len
+    max_num_seqs: int | None = None  # sequences a worker decodes together
+    kv_cache_bytes: int | None = None  # each worker's KV cache budget
+    gamma_max: int | None = None  # deepest speculation a policy may choose
+    served_model_name: str = ""  # what clients see; "" = the target folder's name
+    chat_template: Path | None = None
     # Bearer token the gateway requires ("" = auth off). A secret: handed to the gateway in its
     # environment (NIGHTJAR_AUTH_TOKEN), never on a command line that `ps` shows.
     api_key: str = field(default="", repr=False)
@@ -159,6 +166,7 @@ class Stack:
                 self.add_worker()
             gw = ["--host", cfg.host, "--port", str(self.port), "--target", str(cfg.target_path)]
             gw += ["--draft", str(cfg.draft_path)] if cfg.draft_path else ["--no-draft"]
+            gw += self._gateway_limits()
             if cfg.http_port is None:
                 gw += ["--no-http"]
             else:
@@ -170,6 +178,28 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def _gateway_limits(self) -> list[str]:
+        cfg, out = self.cfg, []
+        if cfg.context_tokens:
+            limit = cfg.context_tokens - 1  # room for one prompt token
+            out += ["--max-context-tokens", str(cfg.context_tokens), "--max-tokens-limit", str(limit),
+                    "--default-max-tokens", str(min(64, limit))]
+        if cfg.gamma_max is not None:
+            out += ["--gamma-max", str(cfg.gamma_max)]
+        if cfg.served_model_name:
+            out += ["--served-model-name", cfg.served_model_name]
+        if cfg.chat_template is not None:
+            out += ["--chat-template", str(cfg.chat_template)]
+        return out
+
+    def _worker_limits(self) -> list[str]:
+        cfg, out = self.cfg, []
+        for flag, value in (("--max-model-len", cfg.context_tokens), ("--max-running", cfg.max_num_seqs),
+                            ("--kv-budget-bytes", cfg.kv_cache_bytes), ("--gamma-max", cfg.gamma_max)):
+            if value is not None:
+                out += [flag, str(value)]
+        return out
 
     @property
     def log_dir(self) -> Path:
@@ -191,7 +221,7 @@ class Stack:
         threads = cfg.worker_threads or max(1, ((os.cpu_count() or 1) - 1) // cfg.workers)
         args = ["--target", str(cfg.target_path), "--threads", str(threads), "--default-gamma", str(cfg.default_gamma)]
         args += ["--draft", str(cfg.draft_path)] if cfg.draft_path else ["--no-draft"]
-        return self._spawn("worker", args + list(cfg.worker_args) + list(extra or ()))
+        return self._spawn("worker", args + self._worker_limits() + list(cfg.worker_args) + list(extra or ()))
 
     def workers(self) -> list[Service]:
         return [s for s in self.services if s.name == "worker"]

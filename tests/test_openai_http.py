@@ -298,6 +298,8 @@ def test_sync_client_matches_grpc_and_streams_the_same_text(stack):
 
 @pytest.mark.slow
 def test_sync_client_errors_are_typed(stack):
+    gateway = stack.service("gateway")  # the key reached it through its environment, not its argv
+    assert KEY not in " ".join(gateway.args) and KEY.encode() not in Path(f"/proc/{gateway.proc.pid}/cmdline").read_bytes()
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=stack.http_url, api_key="nope", max_retries=0).completions.create(
             model="tiny-target", prompt="hi", max_tokens=2)
