@@ -66,6 +66,7 @@ class Inference:
                 prompt_ids = await asyncio.get_running_loop().run_in_executor(
                     self._pool, self.fast.encode, valid.prompt, not chat)
                 check_length(len(prompt_ids), valid.params.max_tokens, self.limits)
+                entry.enqueued = True  # before the await: a cancel that lands during XADD must still be sent
                 await self._queue.enqueue(Job(
                     request_id=request_id, prompt_token_ids=tuple(prompt_ids), params=dataclasses.asdict(valid.params),
                     deadline_unix_ms=now_ms() + int(remaining_s * 1000) if remaining_s is not None else 0,
@@ -98,7 +99,9 @@ class Inference:
         """Release the request's admission slot once; cancel it at the worker unless it finished."""
         if not self._table.release(entry):
             return
-        if entry.finished:
+        if not entry.enqueued:  # refused after admission (too long): nothing exists at a worker or in Redis
+            pass
+        elif entry.finished:
             self._queue.forget_soon(entry.request_id)
         else:  # client gone, deadline, stop string seen first, or an error: free the worker's blocks
             self._queue.cancel_soon(entry.request_id, "cancelled")
