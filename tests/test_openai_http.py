@@ -332,3 +332,18 @@ async def test_async_chat_uses_the_template_and_streams(stack):
                                                              temperature=0) for _ in range(4)))
     assert len({m.choices[0].text for m in many}) == 1 and all(m.usage.completion_tokens > 0 for m in many)
     await client.close()
+
+
+async def test_deadline_header_is_504_and_cancels_at_the_worker(rig):
+    t0 = time.perf_counter()
+    task = asyncio.create_task(rig.http.post("/v1/completions", json={"prompt": "hi"},
+                                             headers={**AUTH, "nightjar-timeout-ms": "300"}))
+    job = await rig.next_job()
+    assert 0 < job.deadline_unix_ms  # the worker knows it too, as for a gRPC deadline
+    resp = await task
+    assert resp.status_code == 504 and error_of(resp)["type"] == "timeout"
+    assert 0.25 < time.perf_counter() - t0 < 3.0
+    await asyncio.sleep(0.1)
+    assert await rig.redis.exists(rig.keys.cancel(job.request_id))
+    bad = await rig.http.post("/v1/completions", json={"prompt": "hi"}, headers={**AUTH, "nightjar-timeout-ms": "soon"})
+    assert bad.status_code == 400 and error_of(bad)["param"] == "nightjar-timeout-ms"
