@@ -28,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 from gateway import errors
 from gateway.completion import Delta, Summary
 from gateway.inference import Inference
-from gateway.openai_params import OpenAIRequest, parse
+from gateway.openai_params import parse
 from gateway.validation import validate
 
 log = logging.getLogger("gateway")

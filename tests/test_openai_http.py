@@ -21,7 +21,6 @@ import pytest
 from engine_support import pair, tokenizer
 from gateway.config import GatewayConfig
 from gateway.server import Gateway
-from nightjar.keys import Keys
 from nightjar.messages import Job, OutputChunk
 from nightjar.redis_server import EmbeddedRedis
 from nightjar.service_util import connect_redis
