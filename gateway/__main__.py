@@ -14,7 +14,7 @@ from nightjar.service_util import add_common_args, env_defaults, install_stop_ha
 
 def parse_config(argv: list[str]) -> GatewayConfig:
     env = env_defaults()
-    p = argparse.ArgumentParser(prog="nightjar gateway", description="gRPC front door of a Nightjar stack")
+    p = argparse.ArgumentParser(prog="nightjar gateway", description="gRPC and OpenAI-compatible HTTP front door of a Nightjar stack")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 = all)")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--target", type=Path, default=paths.DEFAULT_TARGET, help="target model folder (tokenizer, limits)")
@@ -25,6 +25,16 @@ def parse_config(argv: list[str]) -> GatewayConfig:
     p.add_argument("--max-tokens-limit", type=int, default=1024)
     p.add_argument("--default-max-tokens", type=int, default=64)
     p.add_argument("--drain-grace-s", type=float, default=10.0, help="SIGTERM: how long running streams may finish")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP API on this port, same interface as gRPC (0 = any free port)")
+    p.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    p.add_argument("--chat-template", type=Path, default=None,
+                   help="Jinja chat template for /v1/chat/completions (default: the tokenizer's own)")
+    p.add_argument("--served-model-name", default="", help="model name clients see (default: the target folder's name)")
+    p.add_argument("--max-context-tokens", type=int, default=0,
+                   help="the engine's real context (nightjar serve computes it; 0 = the checkpoints' own)")
+    p.add_argument("--gamma-max", type=int, default=6, help="reported by GetModelInfo")
+    p.add_argument("--tokenizer-workers", type=int, default=2, help="threads that tokenize prompts off the event loop")
     p.add_argument("--auth-token", default=env.auth_token, help="require 'authorization: Bearer TOKEN' (env NIGHTJAR_AUTH_TOKEN)")
     p.add_argument("--no-require-worker", action="store_true", help="report SERVING even before a worker heartbeats")
     p.add_argument("--no-direct-dispatch", action="store_true",
@@ -37,7 +47,9 @@ def parse_config(argv: list[str]) -> GatewayConfig:
             draft_path=None if a.no_draft else a.draft, max_queued=a.max_queued, max_streams=a.max_streams,
             max_tokens_limit=a.max_tokens_limit, default_max_tokens=a.default_max_tokens,
             drain_grace_s=a.drain_grace_s, auth_token=a.auth_token, require_worker=not a.no_require_worker,
-            direct_dispatch=not a.no_direct_dispatch,
+            direct_dispatch=not a.no_direct_dispatch, http_port=None if a.no_http else a.http_port,
+            chat_template=a.chat_template, served_model_name=a.served_model_name, context_tokens=a.max_context_tokens,
+            gamma_max=a.gamma_max, tokenizer_workers=a.tokenizer_workers,
             metrics_port=a.metrics_port, log_level=a.log_level,
         )
     except ValueError as exc:

@@ -20,6 +20,7 @@ class InFlight:
     request_id: str
     admitted_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
+    enqueued: bool = False  # a job may exist at a worker (so leaving must cancel it)
     finished: bool = False
 
 

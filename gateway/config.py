@@ -35,6 +35,11 @@ class GatewayConfig:
     require_worker: bool = True  # health is SERVING only once a worker heartbeats
     direct_dispatch: bool = True  # put jobs into a worker's inbox under the scheduler's lease (nightjar.dispatch_lease)
     assignment_ttl_s: float = ASSIGNMENT_TTL_S  # as the scheduler's, for the jobs dispatched directly
+    http_port: int | None = None  # OpenAI-compatible HTTP API on this port (0 = any free one); None = off
+    served_model_name: str = ""  # "" = the target folder's name (nightjar serve passes MODEL as given)
+    chat_template: Path | None = None  # Jinja file for /v1/chat/completions; None = the tokenizer's own
+    tokenizer_workers: int = 2  # threads that tokenize prompts (off the event loop)
+    context_tokens: int = 0  # the engine's real context (nightjar serve computes it); 0 = the checkpoints' own
     metrics_port: int = 0
     log_level: str = "INFO"
 
@@ -44,7 +49,14 @@ class GatewayConfig:
             raise ValueError(f"--port must be 0..65535, got {self.port}")
         if not (self.target_path / "tokenizer.json").exists() and not (self.target_path / "tokenizer_config.json").exists():
             raise ValueError(f"--target {self.target_path} has no tokenizer (tokenizer.json); point it at a model folder")
-        for name in ("default_max_tokens", "max_tokens_limit", "max_streams", "max_queued", "read_block_ms"):
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port must be 0..65535, got {self.http_port}")
+        if self.chat_template is not None and not self.chat_template.is_file():
+            raise ValueError(f"--chat-template {self.chat_template} is not a file")
+        if self.context_tokens < 0:
+            raise ValueError(f"--max-context-tokens must be >= 0 (0 = from the checkpoints), got {self.context_tokens}")
+        for name in ("default_max_tokens", "max_tokens_limit", "max_streams", "max_queued", "read_block_ms",
+                     "tokenizer_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.default_max_tokens > self.max_tokens_limit:
@@ -62,7 +74,8 @@ class GatewayConfig:
 
     @property
     def model_name(self) -> str:
-        return self.target_path.name
+        """The name clients see (GetModelInfo, /v1/models, the OpenAI 'model' field)."""
+        return self.served_model_name or self.target_path.name
 
     @property
     def draft_name(self) -> str:
@@ -70,6 +83,9 @@ class GatewayConfig:
 
     @property
     def max_context_tokens(self) -> int:
-        """From the target's config.json (max_position_embeddings), the engine's own limit."""
-        cfg = json.loads((self.target_path / "config.json").read_text())
-        return int(cfg.get("max_position_embeddings", 2048))
+        """``context_tokens`` when given, else the smaller max_position_embeddings of target and draft."""
+        if self.context_tokens:
+            return self.context_tokens
+        folders = [self.target_path] + ([self.draft_path] if self.draft_path else [])
+        configs = [folder / "config.json" for folder in folders]
+        return min(int(json.loads(c.read_text()).get("max_position_embeddings", 2048)) for c in configs if c.is_file())

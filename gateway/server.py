@@ -14,6 +14,9 @@ from grpc_reflection.v1alpha import reflection
 from gateway.admission import AdmissionTable
 from gateway.config import GatewayConfig
 from gateway.follower import RequestQueue
+from gateway.http_server import HTTPServer
+from gateway.inference import Inference
+from gateway.openai_http import OpenAIFrontEnd
 from gateway.output_reader import OutputReader
 from gateway.interceptors import ErrorInterceptor
 from gateway.servicer import InferenceServicer
@@ -33,6 +36,10 @@ def load_tokenizer(cfg: GatewayConfig):
     from transformers import AutoTokenizer  # heavy import: only when a gateway really starts
 
     return AutoTokenizer.from_pretrained(str(cfg.target_path))
+
+
+def _read(path) -> str | None:
+    return path.read_text() if path is not None else None
 
 
 # Request metadata (headers, the bearer token among them) up to 16 KiB, larger refused. Soft =
@@ -59,17 +66,22 @@ class Gateway:
         self.reader = OutputReader(self._redis, self._reader_redis, cfg.read_block_ms)
         direct = DirectDispatch(self._redis, self.keys, cfg.assignment_ttl_s) if cfg.direct_dispatch else None
         self.queue = RequestQueue(self._redis, self.keys, self.reader, cancel_ttl_s=cfg.cancel_ttl_s, direct=direct)
+        self.inference = Inference(cfg, self._tokenizer, self.queue, self.table)
         self.health = HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._watch_task: asyncio.Task | None = None
+        self.http: HTTPServer | None = None
+        self.http_port = 0
         self._status: int | None = None
 
     async def start(self) -> int:
+        # A message may carry the longest prompt that could fit the context, and then some fields.
+        max_message = max(4 << 20, self.inference.limits.max_prompt_bytes + (64 << 10))
         server = grpc.aio.server(interceptors=[ErrorInterceptor(self.cfg.auth_token)],
-                                 options=[("grpc.so_reuseport", 0), *METADATA_LIMITS])
-        inference_pb2_grpc.add_InferenceServiceServicer_to_server(
-            InferenceServicer(self.cfg, self._tokenizer, self.queue, self.table), server)
+                                 options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message),
+                                          *METADATA_LIMITS])
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.inference), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
@@ -81,6 +93,12 @@ class Gateway:
         self.server = server
         self.reader.start()
         self._watch_task = asyncio.create_task(self._watch(), name="gateway-watch")
+        if self.cfg.http_port is not None:
+            front = OpenAIFrontEnd(self.inference, self.cfg.auth_token, self.cfg.model_name, _read(self.cfg.chat_template))
+            self.http = HTTPServer(front.app, self.cfg.host, self.cfg.http_port)
+            self.http_port = self.http.port
+            await self.http.start()
+            log.info("OpenAI HTTP API on %s:%d", self.cfg.host, self.http_port)
         log.info("gateway listening on %s:%d (model %s)", self.cfg.host, self.port, self.cfg.model_name)
         return self.port
 
@@ -98,6 +116,8 @@ class Gateway:
             except TimeoutError:
                 log.warning("grace period over with %d streams still open; cancelling them", self.table.in_flight)
         await self.server.stop(grace=1.0)  # cancelled handlers publish their cancels
+        if self.http is not None:
+            await self.http.stop()
         if self._watch_task:
             self._watch_task.cancel()
         await self.queue.drain_background()
@@ -105,6 +125,7 @@ class Gateway:
         await self._reader_redis.aclose()
         await self._redis.aclose()
         await self._probe.aclose()
+        self.inference.close()
         self.server = None
 
     async def wait(self) -> None:

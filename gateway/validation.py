@@ -6,7 +6,8 @@ The bounds are the ones documented in proto/nightjar/v1/inference.proto; keep th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from gateway.errors import InvalidArgument
 from nightjar.messages import SamplingParams
@@ -17,7 +18,7 @@ MAX_TOP_K = 1000
 MAX_TEMPERATURE = 2.0
 MAX_REQUEST_ID_CHARS = 64
 MAX_SEED = 1 << 63  # SamplingParams (and torch generators) take seeds below 2**63
-MAX_PROMPT_BYTES = 1 << 20  # tokenizing more than 1 MiB of text would stall the event loop
+MAX_PROMPT_BYTES = 1 << 20  # the cap when none is derived from a model (unit tests)
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,20 @@ class Limits:
     default_max_tokens: int
     max_tokens_limit: int
     max_context_tokens: int
+    max_prompt_bytes: int = MAX_PROMPT_BYTES  # the gateway's: prompt_byte_cap(vocab, context)
+
+
+def prompt_byte_cap(vocab: Mapping[str, int], context_tokens: int) -> int:
+    """The longest prompt, in UTF-8 bytes, that could still fit the context.
+
+    No token stands for more bytes than its vocabulary string takes in UTF-8 (byte-level BPE
+    writes a byte as one or two characters; SentencePiece writes one as "<0xNN>" or a
+    character of up to four bytes), so a prompt longer than context x longest token cannot
+    fit, and is refused without tokenizing it. Text a normalizer deletes outright is the
+    exception; such prompts are refused though they might fit.
+    """
+    longest = max((len(piece.encode("utf-8", errors="surrogatepass")) for piece in vocab), default=4)
+    return context_tokens * max(longest, 4)
 
 
 @dataclass(frozen=True)
@@ -34,12 +49,31 @@ class ValidRequest:
     client_request_id: str  # "" when the caller chose none
 
 
+@dataclass
+class RequestFields:
+    """The fields of a GenerateRequest, for front ends that do not speak protobuf (HTTP)."""
+
+    prompt: str
+    max_tokens: int = 0
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: Sequence[str] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    request_id: str = ""
+
+    def HasField(self, name: str) -> bool:  # noqa: N802 - protobuf's spelling, so validate() takes both
+        return getattr(self, name) is not None
+
+
 def validate(req, limits: Limits) -> ValidRequest:
     """``req`` is a nightjar.v1.GenerateRequest (duck-typed so unit tests stay plain)."""
     if not req.prompt.strip():
         raise InvalidArgument("prompt", "must contain a non-whitespace character")
-    if len(req.prompt.encode("utf-8", errors="surrogatepass")) > MAX_PROMPT_BYTES:
-        raise InvalidArgument("prompt", f"must be at most {MAX_PROMPT_BYTES} bytes")
+    if len(req.prompt.encode("utf-8", errors="surrogatepass")) > limits.max_prompt_bytes:
+        raise InvalidArgument("prompt", f"must be at most {limits.max_prompt_bytes} bytes "
+                              f"(longer cannot fit the model's context of {limits.max_context_tokens} tokens)")
     max_tokens = req.max_tokens or limits.default_max_tokens
     if not 1 <= max_tokens <= limits.max_tokens_limit:
         raise InvalidArgument("max_tokens", f"must be 1..{limits.max_tokens_limit} (0 = default {limits.default_max_tokens}), got {req.max_tokens}")

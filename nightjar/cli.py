@@ -26,11 +26,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
 def _usage() -> str:
     width = max(map(len, COMMANDS))
     rows = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items())
-    return f"usage: nightjar COMMAND [ARGS]\n\ncommands:\n{rows}\n\n'nightjar COMMAND --help' shows each command's options."
+    return f"usage: nightjar [--version] COMMAND [ARGS]\n\ncommands:\n{rows}\n\n'nightjar COMMAND --help' shows each command's options."
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("nightjar")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        print(f"nightjar {version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0

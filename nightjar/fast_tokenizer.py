@@ -39,10 +39,10 @@ class FastTokenizer:
         """True when the backend is called directly."""
         return self._backend is not None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._backend is None:
-            return self.tokenizer.encode(text)
-        return self._backend.encode(text, add_special_tokens=True).ids
+            return self.tokenizer.encode(text) if add_special_tokens else self.tokenizer.encode(text, add_special_tokens=False)
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self._backend is None:

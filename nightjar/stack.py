@@ -53,6 +53,17 @@ class StackConfig:
     # service on its own port after it (metrics_port_of): one endpoint per process, as
     # Prometheus scrapes several processes, and each worker's series told apart by its port.
     metrics_port: int = 0
+    http_port: int | None = None  # the gateway's OpenAI HTTP API: None = off, 0 = a free port
+    # Pass-through limits (nightjar serve's vLLM-shaped flags); None = the services' defaults.
+    context_tokens: int | None = None  # the served context (nightjar.model_check): gateway limit and worker max_model_len
+    max_num_seqs: int | None = None  # sequences a worker decodes together
+    kv_cache_bytes: int | None = None  # each worker's KV cache budget
+    gamma_max: int | None = None  # deepest speculation a policy may choose
+    served_model_name: str = ""  # what clients see; "" = the target folder's name
+    chat_template: Path | None = None
+    # Bearer token the gateway requires ("" = auth off). A secret: handed to the gateway in its
+    # environment (NIGHTJAR_AUTH_TOKEN), never on a command line that `ps` shows.
+    api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -65,6 +76,8 @@ class StackConfig:
             raise ValueError(f"--metrics-port must leave room for one port per service, got {self.metrics_port}")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--redis-url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port must be 0..65535, got {self.http_port}")
         if not (self.target_path / "config.json").is_file():
             raise ValueError(f"--target {self.target_path} is not a model folder (no config.json)")
         if self.draft_path is not None and not (self.draft_path / "config.json").is_file():
@@ -128,6 +141,7 @@ class Stack:
     redis: EmbeddedRedis | None = None
     redis_url: str = ""
     port: int = 0
+    http_port: int = 0  # 0 = no HTTP API
     services: list[Service] = field(default_factory=list)
     _tmp: tempfile.TemporaryDirectory | None = None
 
@@ -152,12 +166,40 @@ class Stack:
                 self.add_worker()
             gw = ["--host", cfg.host, "--port", str(self.port), "--target", str(cfg.target_path)]
             gw += ["--draft", str(cfg.draft_path)] if cfg.draft_path else ["--no-draft"]
+            gw += self._gateway_limits()
+            if cfg.http_port is None:
+                gw += ["--no-http"]
+            else:
+                self.http_port = cfg.http_port or free_port()
+                gw += ["--http-port", str(self.http_port)]
             self._spawn("gateway", gw + list(cfg.gateway_args))
             self.wait_ready(cfg.ready_timeout_s, workers=cfg.workers)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _gateway_limits(self) -> list[str]:
+        cfg, out = self.cfg, []
+        if cfg.context_tokens:
+            limit = cfg.context_tokens - 1  # room for one prompt token
+            out += ["--max-context-tokens", str(cfg.context_tokens), "--max-tokens-limit", str(limit),
+                    "--default-max-tokens", str(min(64, limit))]
+        if cfg.gamma_max is not None:
+            out += ["--gamma-max", str(cfg.gamma_max)]
+        if cfg.served_model_name:
+            out += ["--served-model-name", cfg.served_model_name]
+        if cfg.chat_template is not None:
+            out += ["--chat-template", str(cfg.chat_template)]
+        return out
+
+    def _worker_limits(self) -> list[str]:
+        cfg, out = self.cfg, []
+        for flag, value in (("--max-model-len", cfg.context_tokens), ("--max-running", cfg.max_num_seqs),
+                            ("--kv-budget-bytes", cfg.kv_cache_bytes), ("--gamma-max", cfg.gamma_max)):
+            if value is not None:
+                out += [flag, str(value)]
+        return out
 
     @property
     def log_dir(self) -> Path:
@@ -167,6 +209,11 @@ class Stack:
     def address(self) -> str:
         return f"{self.cfg.host}:{self.port}"
 
+    @property
+    def http_url(self) -> str:
+        """Base URL of the OpenAI API (…/v1), or "" when it is off."""
+        return f"http://{self.cfg.host}:{self.http_port}/v1" if self.http_port else ""
+
     def add_worker(self, extra: list[str] | None = None) -> Service:
         cfg = self.cfg
         # One core stays with the gateway, scheduler and planner: a torch thread pool that
@@ -174,7 +221,7 @@ class Stack:
         threads = cfg.worker_threads or max(1, ((os.cpu_count() or 1) - 1) // cfg.workers)
         args = ["--target", str(cfg.target_path), "--threads", str(threads), "--default-gamma", str(cfg.default_gamma)]
         args += ["--draft", str(cfg.draft_path)] if cfg.draft_path else ["--no-draft"]
-        return self._spawn("worker", args + list(cfg.worker_args) + list(extra or ()))
+        return self._spawn("worker", args + self._worker_limits() + list(cfg.worker_args) + list(extra or ()))
 
     def workers(self) -> list[Service]:
         return [s for s in self.services if s.name == "worker"]
@@ -191,6 +238,8 @@ class Stack:
             full += ["--metrics-port", str(metrics_port)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         env.pop("NIGHTJAR_METRICS_PORT", None)  # the same port for every service would stop all but one
+        if name == "gateway" and self.cfg.api_key:
+            env["NIGHTJAR_AUTH_TOKEN"] = self.cfg.api_key
         with open(log_path, "ab") as log:
             proc = subprocess.Popen([*niced(0 if name == "worker" else self.cfg.io_nice), sys.executable, "-m", "nightjar.cli", name, *full],
                                     stdout=log, stderr=subprocess.STDOUT,

@@ -183,12 +183,12 @@ def test_status_codes():
 def test_chunks_waiting_together_become_one_response_with_every_token_once():
     from engine_support import pair, tokenizer
 
-    from gateway.servicer import _Completion
+    from gateway.completion import Completion
     from nightjar.messages import OutputChunk
 
     tok = tokenizer(pair()[0])
     ids = tok.encode("The quick brown fox jumps over the lazy dog", add_special_tokens=False)[:6]
-    c = _Completion(tok, [1, 2], (), "r", 0.0)
+    c = Completion(tok, [1, 2], (), 0.0)
     first, failure = c.take([OutputChunk("r", 0, tuple(ids[:2]))])
     assert failure is None and list(first.token_ids) == ids[:2]
     # A re-run's repeat of index 0-1, then two fresh chunks: one response, each token once.

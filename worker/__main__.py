@@ -22,7 +22,8 @@ def parse_config(argv: list[str]) -> WorkerServiceConfig:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
     p.add_argument("--kv-budget-bytes", type=int, default=None, help="KV cache budget (default: the engine's)")
-    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--max-running", type=int, default=64, help="sequences decoded together at most")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + completion cap (default: the models' own)")
     p.add_argument("--gamma-max", type=int, default=6)
     p.add_argument("--default-gamma", type=int, default=0, help="γ while no fresh planner policy is known")
     p.add_argument("--policy-ttl-s", type=float, default=10.0)
@@ -36,7 +37,7 @@ def parse_config(argv: list[str]) -> WorkerServiceConfig:
         return WorkerServiceConfig(
             redis_url=a.redis_url, key_prefix=a.key_prefix, target_path=a.target,
             draft_path=None if a.no_draft else a.draft, device=a.device, dtype=a.dtype,
-            kv_budget_bytes=a.kv_budget_bytes, max_running=a.max_running, gamma_max=a.gamma_max,
+            kv_budget_bytes=a.kv_budget_bytes, max_running=a.max_running, max_model_len=a.max_model_len, gamma_max=a.gamma_max,
             default_gamma=a.default_gamma, policy_ttl_s=a.policy_ttl_s, num_threads=a.threads, engine_process=a.engine_process,
             metrics_port=a.metrics_port, log_level=a.log_level, **extra)
     except ValueError as exc:

@@ -29,6 +29,7 @@ class WorkerServiceConfig:
     dtype: str = "float32"
     kv_budget_bytes: int | None = None  # None = the engine's default
     max_running: int = 64
+    max_model_len: int | None = None  # prompt + completion cap; None = the models' own
     gamma_max: int = 6
     default_gamma: int = 0  # γ while no fresh policy is known (0 = safe under any load)
     policy_ttl_s: float = 10.0  # a policy older than this is ignored (default γ instead)
@@ -81,5 +82,6 @@ class WorkerServiceConfig:
         return EngineConfig(
             target_path=str(self.target_path), draft_path=str(self.draft_path) if self.draft_path else None,
             device=self.device, dtype=self.dtype, max_running=self.max_running, gamma_max=self.gamma_max,
-            default_gamma=self.default_gamma if self.draft_path else 0, num_threads=self.num_threads, **extra,
+            default_gamma=self.default_gamma if self.draft_path else 0, num_threads=self.num_threads,
+            max_model_len=self.max_model_len, **extra,
         )

@@ -1,0 +1,108 @@
+"""The transport-neutral request path shared by the gRPC servicer and the OpenAI HTTP front end.
+
+Order matters: refuse before paying. The cheap checks (gateway open, field ranges, a byte cap
+derived from the model's context) and admission (queue cap) come before tokenization, which
+runs off the event loop on a small bounded pool (TGI's validation workers), so a burst of huge
+prompts costs neither the running streams' inter-token gaps nor the health checks. Then
+enqueue, stream, and cancel at the worker when the client leaves first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from gateway.admission import AdmissionTable, InFlight
+from gateway.completion import Completion, Delta, Summary
+from gateway.config import GatewayConfig
+from gateway.errors import DeadlineExceeded
+from gateway.follower import RequestQueue
+from gateway.validation import Limits, ValidRequest, check_length, prompt_byte_cap
+from nightjar import metrics as m
+from nightjar.fast_tokenizer import FastTokenizer
+from nightjar.messages import Job
+from nightjar.service_util import now_ms
+
+
+class Inference:
+    def __init__(self, cfg: GatewayConfig, tokenizer, queue: RequestQueue, table: AdmissionTable) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.fast = FastTokenizer(tokenizer)  # encode and the detokenizers' decodes, minus the wrappers
+        self._queue = queue
+        self._table = table
+        context = cfg.max_context_tokens
+        self.limits = Limits(cfg.default_max_tokens, cfg.max_tokens_limit, context,
+                             max_prompt_bytes=prompt_byte_cap(tokenizer.get_vocab(), context))
+        # Bounded: at most this many prompts tokenize at once; the rest wait their turn in the
+        # pool's queue, whose length admission (max_queued) already caps.
+        self._pool = ThreadPoolExecutor(max_workers=cfg.tokenizer_workers, thread_name_prefix="gateway-tokenize")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @staticmethod
+    def new_request_id() -> str:
+        return uuid.uuid4().hex
+
+    async def generate(self, request_id: str, valid: ValidRequest, remaining_s: float | None, *, chat: bool = False,
+                       on_admit: Callable[[Callable[[], None]], None] | None = None) -> AsyncIterator[Delta | Summary]:
+        """Deltas as tokens arrive, then one Summary. Raises gateway errors (before or between
+        Deltas). ``on_admit`` receives the release function, for transports (gRPC) whose
+        cancellation can skip this generator's ``finally``. A chat prompt already carries the
+        template's special tokens, so none are added."""
+        received_s = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + remaining_s if remaining_s is not None else None
+        entry = await self._table.admit(request_id)  # queue cap and drain state, before any tokenizing
+        if on_admit is not None:
+            on_admit(lambda: self._release(entry))
+        m.REQUESTS_WAITING.set(self._table.queued)
+        try:
+            async with asyncio.timeout_at(deadline):
+                prompt_ids = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, self.fast.encode, valid.prompt, not chat)
+                check_length(len(prompt_ids), valid.params.max_tokens, self.limits)
+                entry.enqueued = True  # before the await: a cancel that lands during XADD must still be sent
+                await self._queue.enqueue(Job(
+                    request_id=request_id, prompt_token_ids=tuple(prompt_ids), params=dataclasses.asdict(valid.params),
+                    deadline_unix_ms=now_ms() + int(remaining_s * 1000) if remaining_s is not None else 0,
+                    enqueued_unix_ms=now_ms(),
+                ))
+                stream = Completion(self.fast, prompt_ids, valid.params.stop, received_s)
+                async for delta in self._follow(entry, stream):
+                    yield delta
+        except TimeoutError:
+            raise DeadlineExceeded(f"Deadline of {remaining_s:.3f}s passed before the request finished") from None
+        finally:
+            self._release(entry)
+        yield stream.summary()
+
+    async def _follow(self, entry: InFlight, stream: Completion) -> AsyncIterator[Delta]:
+        async for batch in self._queue.outputs(entry.request_id):
+            delta, failure = stream.take(batch)
+            if delta is not None:
+                if entry.first_token_s is None and delta.token_ids:
+                    self._table.first_token(entry)
+                    m.REQUESTS_WAITING.set(self._table.queued)
+                yield delta
+            if failure is not None:  # after the tokens that came before it
+                raise failure
+            if stream.done:
+                break
+        entry.finished = stream.final_seen
+
+    def _release(self, entry: InFlight) -> None:
+        """Release the request's admission slot once; cancel it at the worker unless it finished."""
+        if not self._table.release(entry):
+            return
+        if not entry.enqueued:  # refused after admission (too long): nothing exists at a worker or in Redis
+            pass
+        elif entry.finished:
+            self._queue.forget_soon(entry.request_id)
+        else:  # client gone, deadline, stop string seen first, or an error: free the worker's blocks
+            self._queue.cancel_soon(entry.request_id, "cancelled")
+        m.REQUESTS_WAITING.set(self._table.queued)
