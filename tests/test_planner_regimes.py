@@ -102,3 +102,23 @@ def test_planner_warm_starts_from_a_surface_file(tmp_path):
     bad.write_text("{}")
     with pytest.raises(ValueError, match="cost surface"):
         PlannerConfig(prior_surface=str(bad))
+
+
+def test_live_steps_keep_the_cost_model_sane():
+    # 300 engine steps recorded from a live stack (tiny pair, 48 closed-loop clients, nightjar
+    # playing γ = 0, 1, 3, 4 at batch 40-48, most steps carrying a new prompt). Replayed
+    # through the policy, the v(n) / r(B) split once walked apart: r(B) to -50 ms and
+    # predicted step times below zero from step 225 on, so γ = 4 looked best at batch 44.
+    import json
+
+    from nightjar.messages import StepStats
+
+    rows = json.loads((Path(__file__).parent / "data" / "live_stats_closed48.json").read_text())
+    policy = make_policy("nightjar", gamma_max=4, seed=0)
+    for i, row in enumerate(rows):
+        policy.update(StepStats(step=i, unix_ms=0, draft_residency="resident",
+                                **{**row, "accepted_per_position": tuple(row["accepted_per_position"])}))
+        if policy.cost.ready and i % 10 == 0:
+            step = policy.cost.step_ms(np.array([44.0]), 4)[0]  # [γ+1] ms
+            assert step.min() > 0 and np.all(np.diff(step) > 0), (i, step)
+    assert min(policy.cost.per_seq.mean[x] for x in policy.cost.per_seq.xs) >= 0

@@ -208,9 +208,15 @@ class StepCostModel:
     def _observe_verify(self, batch_size: int, n: int, verify_ms: float) -> None:
         verify, per_seq = self.verify, self.per_seq
         cell = n if n < verify.top else verify.top
+        # Both parts are times, so neither goes below 0. Without that bound the split between
+        # them is free wherever one γ is played at a few batch sizes (n and B move together), and
+        # a live stack's noisy, prefill-laden steps walked it apart: r(B) to -50 ms, v(n) above
+        # the step, and predictions of negative step times (BENCHMARKS.md, live planner).
         if verify.weight[cell] > 0:  # r learns what v(n) leaves unexplained ...
-            per_seq.observe(batch_size, verify_ms - verify.mean[cell])
-        verify.observe(n, verify_ms - per_seq.value(batch_size))  # ... and v what r does
+            residual = verify_ms - verify.mean[cell]
+            per_seq.observe(batch_size, residual if residual > 0.0 else 0.0)
+        rest = verify_ms - per_seq.value(batch_size)
+        verify.observe(n, rest if rest > 0.0 else 0.0)  # ... and v what r does
 
     def observe_mixed(self, batch_size: int, gamma: int, draft_ms: float, verify_ms: float, prefill_tokens: int) -> None:
         """A step whose target forward also prefilled new prompts (the engine mixes them).
