@@ -291,6 +291,12 @@ class Policy(Message):
 
     ``bucket_upper_bounds[i]`` is the largest batch size of bucket i (ascending; the last
     bucket also covers anything larger). Workers ignore a policy older than ``ttl_s``.
+
+    ``version`` grows within one ``epoch``: a random id the planner draws whenever it starts
+    from a fresh state (nothing saved, or its saved state lost with a Redis that came back
+    empty). Workers adopt a higher version of the epoch they hold or any epoch they have not
+    left yet, so a planner that restarts from scratch at version 1 is not ignored until it
+    climbs past the version the workers last saw.
     """
 
     version: int
@@ -300,6 +306,7 @@ class Policy(Message):
     gamma_by_bucket: tuple[int, ...]
     residency: dict[str, str] = field(default_factory=dict)  # worker_id -> "resident"|"offloaded"
     name: str = "nightjar"
+    epoch: str = ""  # "" = a planner from before epochs (one epoch for all of them)
 
     def __post_init__(self) -> None:
         if len(self.bucket_upper_bounds) != len(self.gamma_by_bucket) or not self.gamma_by_bucket:

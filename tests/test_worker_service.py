@@ -14,7 +14,7 @@ import pytest_asyncio
 
 from engine_support import engine, pair, prompt_ids, run_all
 from nightjar.keys import Keys
-from nightjar.messages import Cancel, Heartbeat, Job, OutputChunk, SamplingParams, StepStats
+from nightjar.messages import Cancel, Heartbeat, Job, OutputChunk, Policy, SamplingParams, StepStats
 from nightjar.service_util import connect_redis, now_ms
 from worker.service import WorkerService
 from worker.service_config import WorkerServiceConfig
@@ -133,3 +133,20 @@ async def test_an_assignment_moved_to_another_worker_is_not_released_by_the_old_
     await read_until_final(redis, keys, "moved")
     await asyncio.sleep(0.05)
     assert await redis.hget(keys.assignment("moved"), "worker") == b"w2"
+
+
+async def test_a_policy_with_an_unknown_residency_is_ignored_not_fatal(svc):
+    service, redis, keys = svc
+    bogus = Policy(version=10**6, unix_ms=now_ms(), ttl_s=10.0, bucket_upper_bounds=(1,), gamma_by_bucket=(1,),
+                   residency={"w1": "evaporated"}, epoch="bogus")
+    await redis.set(keys.policy, bogus.encode())
+    await redis.publish(keys.policy_channel, bogus.encode())
+    for _ in range(50):  # adopted (γ from it), its residency ignored
+        if Heartbeat.decode(await redis.get(keys.heartbeat("w1"))).policy_version == 10**6:
+            break
+        await asyncio.sleep(0.1)
+    assert Heartbeat.decode(await redis.get(keys.heartbeat("w1"))).policy_version == 10**6
+    await submit(redis, keys, "after-bogus", [1, 2, 3], max_tokens=3)
+    assert (await read_until_final(redis, keys, "after-bogus"))[-1].finish_reason in ("length", "stop")
+    assert service.engine.error is None and service.snapshot.draft_residency == "resident"
+    await redis.delete(keys.policy)

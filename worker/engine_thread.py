@@ -169,7 +169,10 @@ class EngineThread:
             elif isinstance(cmd, SetResidency):
                 setter = getattr(engine, "set_draft_residency", None)
                 if setter is not None:
-                    setter(cmd.residency)
+                    try:
+                        setter(cmd.residency)
+                    except ValueError as exc:  # a directive it does not know must not kill the engine
+                        log.error("ignoring residency directive: %s", exc)
 
 
 def _snapshot(engine, gamma: int) -> Snapshot:

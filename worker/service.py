@@ -396,16 +396,18 @@ class WorkerService:
         view = PolicyView(self.cfg.worker_id, self.cfg.default_gamma, self.cfg.policy_ttl_s)
         self.engine.submit(FollowPolicy(self.cfg.worker_id, self.cfg.default_gamma, self.cfg.policy_ttl_s))
         follower = asyncio.create_task(follow_policy(self.redis, self.keys, view, stop))
-        residency = None
+        residency, forwarded = None, None
         try:
             while not follower.done():
                 wanted = view.residency(time.time())
                 if wanted and wanted != residency and self.cfg.draft_path is not None:
                     self.engine.submit(SetResidency(wanted))
                     residency = wanted
-                if view.version != self._policy_version and view.policy is not None:
+                # (epoch, version): a planner's new epoch may restart at a lower version.
+                if view.epoch_version != forwarded and view.policy is not None:
                     self.engine.submit(UpdatePolicy(view.policy))
                     m.observe_policy(view.policy)
+                    forwarded = view.epoch_version
                 self._policy_version = view.version
                 await asyncio.sleep(0.1)
         finally:
