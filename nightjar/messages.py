@@ -254,6 +254,9 @@ class Heartbeat(Message):
     policy_version: int = -1
     started_unix_ms: int = 0
     memory_bytes: dict[str, int] = field(default_factory=dict)  # device budget by part (worker/memory.py)
+    # SIGTERM: finishing what it runs, taking nothing new; the scheduler and the gateways'
+    # lease script send it no more work (it is still alive: its jobs are not re-dispatched).
+    draining: bool = False
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,11 @@ class CapacityView:
         self._recent.setdefault(worker, []).append(unix_ms)
 
     def pick(self, exclude: frozenset[str] | set[str] = frozenset()) -> str | None:
-        """The live worker with the most free capacity, ties to more free KV blocks then id."""
+        """The live worker with the most free capacity, ties to more free KV blocks then id
+        (a draining worker takes nothing new)."""
         best, best_key = None, None
         for worker, hb in self.heartbeats.items():
-            if worker in exclude:
+            if worker in exclude or hb.draining:
                 continue
             key = (free_fraction(hb, len(self._recent.get(worker, ()))), hb.kv_blocks_free, worker)
             if best_key is None or key > best_key:

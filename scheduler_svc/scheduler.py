@@ -230,8 +230,9 @@ class Scheduler:
         self.capacity.refresh(alive)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(self.keys.leases)
-            if alive:
-                pipe.hset(self.keys.leases, mapping={w: lease_entry(hb) for w, hb in alive.items()})
+            leased = {w: lease_entry(hb) for w, hb in alive.items() if not hb.draining}
+            if leased:
+                pipe.hset(self.keys.leases, mapping=leased)
                 pipe.pexpire(self.keys.leases, int(self.cfg.lease_ttl_s * 1000))
             await pipe.execute()
         return dead

@@ -31,9 +31,9 @@ async def env(redis_url, key_prefix):
     await redis.aclose()
 
 
-async def beat(redis, keys, wid, free=100, running=0, ttl_ms=60_000):
+async def beat(redis, keys, wid, free=100, running=0, ttl_ms=60_000, draining=False):
     hb = Heartbeat(worker_id=wid, unix_ms=now_ms(), model="m", kv_blocks_free=free, kv_blocks_total=100,
-                   running=running, waiting=0, max_running=8, gamma=0, draft_residency="none")
+                   running=running, waiting=0, max_running=8, gamma=0, draft_residency="none", draining=draining)
     await redis.set(keys.heartbeat(wid), hb.encode(), px=ttl_ms)
     await redis.sadd(keys.workers, wid)
 
@@ -66,6 +66,17 @@ async def test_dispatch_to_freest_worker_records_assignment_and_acks(env):
     assert await redis.smembers(keys.worker_assignments("idle")) == {b"r0", b"r1", b"r2", b"r3"}
     assert (await redis.xpending(keys.requests, keys.scheduler_group))["pending"] == 0
     assert await redis.xlen(keys.requests) == 0  # dispatched entries are deleted: XLEN = backlog
+
+
+async def test_a_draining_worker_gets_no_jobs_and_is_not_declared_dead(env):
+    sched, redis, keys = env
+    await beat(redis, keys, "leaving", draining=True)
+    await beat(redis, keys, "busy", running=7)
+    assert await sched.refresh_workers() == []
+    for i in range(3):
+        await redis.xadd(keys.requests, {b"job": job(f"r{i}").encode()})
+    await sched.handle(await read_group(sched, redis, keys), deliveries=1)
+    assert await inbox_jobs(redis, keys, "leaving") == [] and len(await inbox_jobs(redis, keys, "busy")) == 3
 
 
 async def test_undecodable_entry_is_dead_lettered(env):

@@ -156,12 +156,50 @@ class WorkerService:
             raise RuntimeError(f"the engine failed: {self.engine.error}") from self.engine.error
 
     async def _drain(self) -> None:
+        """SIGTERM: say so at once (the heartbeat's ``draining``: the scheduler and the gateways'
+        lease script send nothing more), hand back what was sent but not started, let the
+        running requests finish for up to ``drain_grace_s``."""
         self._accepting = False
+        await self._beat()
         deadline = time.monotonic() + self.cfg.drain_grace_s
+        next_hand_back = 0.0
         while self.active and time.monotonic() < deadline:
+            # Repeated: a scheduler may still act on the heartbeat it read before this one.
+            if time.monotonic() >= next_hand_back:
+                await self._hand_back()
+                next_hand_back = time.monotonic() + 0.25
             await asyncio.sleep(0.05)
+        await self._hand_back()
         if self.active:
             log.warning("stopping with %d requests unfinished; the scheduler re-dispatches them", len(self.active))
+
+    async def _hand_back(self) -> None:
+        """Put every inbox job this worker has not started back on the requests stream, as it
+        came, so the scheduler gives it to a worker that is not leaving: waiting for the drain
+        (and then the heartbeat's expiry) would hold its client for up to ``drain_grace_s``."""
+        inbox = self.keys.inbox(self.cfg.worker_id)
+        try:
+            entries = await self.redis.xrange(inbox, count=1000)
+            pipe = self.redis.pipeline(transaction=True)
+            handed = []
+            for entry_id, fields in entries:
+                try:
+                    job = Job.decode(fields[b"job"])
+                except (KeyError, MessageError):
+                    continue  # the inbox loop dead-letters these; nothing to hand back
+                if job.request_id in self.active:
+                    continue
+                pipe.xadd(self.keys.requests, {b"job": fields[b"job"]})
+                pipe.eval(_RELEASE_ASSIGNMENT, 1, self.keys.assignment(job.request_id), self.cfg.worker_id)
+                pipe.srem(self.keys.worker_assignments(self.cfg.worker_id), job.request_id)
+                pipe.xack(inbox, self.keys.worker_group, entry_id)
+                pipe.xdel(inbox, entry_id)
+                handed.append(job.request_id)
+            if handed:
+                await pipe.execute()
+                log.info("draining: handed %d unstarted jobs back to the scheduler", len(handed))
+        except (RedisError, OSError) as exc:  # they are re-dispatched when the heartbeat goes
+            log.warning("draining: could not hand jobs back (%s)", exc)
 
     async def _ensure_group(self) -> None:
         try:
@@ -371,18 +409,21 @@ class WorkerService:
             kv_blocks_free=snap.kv_blocks_free, kv_blocks_total=snap.kv_blocks_total, running=snap.running,
             waiting=snap.waiting + unseen, max_running=self.cfg.max_running, gamma=snap.gamma,
             draft_residency=snap.draft_residency, policy_version=self._policy_version, started_unix_ms=self.started_ms,
-            memory_bytes=dict(snap.memory_bytes))
+            memory_bytes=dict(snap.memory_bytes), draining=not self._accepting)
+
+    async def _beat(self) -> None:
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.set(self.keys.heartbeat(self.cfg.worker_id), self.heartbeat().encode(),
+                         px=int(self.cfg.heartbeat_ttl_s * 1000))
+                pipe.sadd(self.keys.workers, self.cfg.worker_id)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            log.warning("heartbeat failed (%s)", exc)
 
     async def _heartbeat_loop(self) -> None:
-        ttl_ms = int(self.cfg.heartbeat_ttl_s * 1000)
         while not self._closing:
-            try:
-                async with self.redis.pipeline(transaction=True) as pipe:
-                    pipe.set(self.keys.heartbeat(self.cfg.worker_id), self.heartbeat().encode(), px=ttl_ms)
-                    pipe.sadd(self.keys.workers, self.cfg.worker_id)
-                    await pipe.execute()
-            except (RedisError, OSError) as exc:
-                log.warning("heartbeat failed (%s)", exc)
+            await self._beat()
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
 
     async def _policy_loop(self, stop: asyncio.Event) -> None:
