@@ -57,7 +57,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         try:
             await self._queue.enqueue(Job(
                 request_id=request_id, prompt_token_ids=tuple(prompt_ids), params=dataclasses.asdict(valid.params),
-                deadline_unix_ms=now_ms() + int(remaining_s * 1000) if remaining_s is not None else 0,
+                deadline_budget_ms=max(1, int(remaining_s * 1000)) if remaining_s is not None else 0,
                 enqueued_unix_ms=now_ms(),
             ))
             reply_id = valid.client_request_id or request_id

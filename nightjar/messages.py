@@ -195,9 +195,12 @@ class Job(Message):
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: dict[str, Any]  # SamplingParams as a map (nested records stay plain maps on the wire)
-    deadline_unix_ms: int = 0  # 0 = none
+    deadline_unix_ms: int = 0  # the previous wire version: absolute, on the gateway's clock (0 = none)
     enqueued_unix_ms: int = 0
     attempt: int = 0  # how many times a worker has been given this job before
+    # The deadline as the budget left (ms) when this copy was added to its stream; 0 = none.
+    # The receiver counts it from the entry id (Redis' clock): nightjar/deadline.py.
+    deadline_budget_ms: int = 0
 
     @property
     def sampling(self) -> SamplingParams:

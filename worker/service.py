@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from nightjar import metrics as m
+from nightjar.deadline import RedisClock, forwarded, remaining_ms
 from nightjar.keys import Keys
 from nightjar.messages import Cancel, DeadLetter, Heartbeat, Job, MessageError, OutputChunk
 from nightjar.service_util import now_ms
@@ -33,6 +34,7 @@ from worker.service_config import WorkerServiceConfig
 
 log = logging.getLogger("worker")
 DEAD_LETTER_PAYLOAD_BYTES = 64 * 1024  # as the scheduler's dead letters
+CLOCK_SYNC_S = 10.0  # re-measure Redis' clock this often (hosts drift slowly)
 
 # Delete an assignment only if it is still ours: after a false death (a long pause) the
 # scheduler may have given the job to another worker, whose record must survive us.
@@ -110,6 +112,7 @@ class WorkerService:
         self.snapshot = Snapshot()
         self.started_ms = now_ms()
         self._policy_version = -1
+        self.clock = RedisClock()  # job deadlines are budgets counted on Redis' clock
         self._accepting = True
         # Set before the tasks are cancelled at shutdown: every loop also checks it, because a
         # cancellation that lands inside a redis-py call can be lost (see gateway/output_reader.py).
@@ -134,6 +137,7 @@ class WorkerService:
             raise RuntimeError(f"the engine failed to start: {self.engine.error}") from self.engine.error
         self.snapshot = self.engine.snapshot
         await self._ensure_group()
+        await self.clock.sync(self.redis)
         log.info("worker %s ready (model %s, %d KV blocks)", self.cfg.worker_id, self.cfg.model_name, self.snapshot.kv_blocks_total)
         tasks = [asyncio.create_task(c) for c in (
             self._inbox_loop(stop), self._output_loop(), self._cancel_listener(), self._cancel_poll(),
@@ -189,7 +193,10 @@ class WorkerService:
                     continue  # the inbox loop dead-letters these; nothing to hand back
                 if job.request_id in self.active:
                     continue
-                pipe.xadd(self.keys.requests, {b"job": fields[b"job"]})
+                raw = fields[b"job"]
+                if job.deadline_budget_ms > 0:  # the requests entry counts from now: write what is left
+                    raw = forwarded(job, remaining_ms(job, entry_id, self.clock)).encode()
+                pipe.xadd(self.keys.requests, {b"job": raw})
                 pipe.eval(_RELEASE_ASSIGNMENT, 1, self.keys.assignment(job.request_id), self.cfg.worker_id)
                 pipe.srem(self.keys.worker_assignments(self.cfg.worker_id), job.request_id)
                 pipe.xack(inbox, self.keys.worker_group, entry_id)
@@ -246,10 +253,10 @@ class WorkerService:
                 self._ack(pipe, entry_id)
                 continue
             jobs.append((entry_id, job))
-        now = now_ms()
         started = []
         for entry_id, job in jobs:
-            if job.deadline_unix_ms and now >= job.deadline_unix_ms:
+            left_ms = remaining_ms(job, entry_id, self.clock)
+            if left_ms is not None and left_ms <= 0:
                 self._finish(pipe, job.request_id, entry_id, OutputChunk(
                     job.request_id, 0, finish_reason="deadline", error="the deadline passed before the request ran",
                     worker_id=self.cfg.worker_id))
@@ -422,8 +429,15 @@ class WorkerService:
             log.warning("heartbeat failed (%s)", exc)
 
     async def _heartbeat_loop(self) -> None:
+        synced = time.monotonic()
         while not self._closing:
             await self._beat()
+            if time.monotonic() - synced > CLOCK_SYNC_S:
+                try:
+                    await self.clock.sync(self.redis)
+                    synced = time.monotonic()
+                except (RedisError, OSError):
+                    pass
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
 
     async def _policy_loop(self, stop: asyncio.Event) -> None:
