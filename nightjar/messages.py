@@ -260,6 +260,9 @@ class Heartbeat(Message):
     # SIGTERM: finishing what it runs, taking nothing new; the scheduler and the gateways'
     # lease script send it no more work (it is still alive: its jobs are not re-dispatched).
     draining: bool = False
+    # Engine steps taken so far: with requests running and this not moving, the worker is
+    # stuck (a hung engine, a stopped engine process) however faithfully it heartbeats.
+    engine_steps: int = 0
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ assignment sets), so a scheduler can be killed and restarted at any moment:
   the assignment, so it is never both lost and acknowledged;
 - entries a dead scheduler left pending are reclaimed with XAUTOCLAIM after ``claim_idle_ms``;
   an entry delivered more than ``max_deliveries`` times (a poison job) is dead-lettered;
-- a worker whose heartbeat key expired has its unfinished assignments re-sent, attempt + 1;
+- a worker whose heartbeat key expired has its unfinished assignments re-sent, attempt + 1; so
+  does a stalled one (work in hand, no engine step for ``stall_s``: capacity.ProgressView),
+  which is also left out of dispatch and the lease table until its engine moves again;
 - no loop dies on an exception: one that is not Redis's is logged with its traceback, the entry
   that caused it (an undecodable job, an assignment record that is not one) is dead-lettered,
   and the loop goes on (a dead loop left the scheduler heartbeating nothing: it looked alive).
@@ -32,7 +34,7 @@ from nightjar.dispatch_lease import lease_entry
 from nightjar.keys import Keys
 from nightjar.messages import DeadLetter, Heartbeat, Job, MessageError, OutputChunk
 from nightjar.service_util import now_ms
-from scheduler_svc.capacity import CapacityView
+from scheduler_svc.capacity import CapacityView, ProgressView
 from scheduler_svc.config import SchedulerConfig
 
 log = logging.getLogger("scheduler")
@@ -47,6 +49,9 @@ class Scheduler:
         self.keys = Keys(cfg.key_prefix)
         self.redis = redis
         self.capacity = CapacityView()
+        self.progress = ProgressView(cfg.stall_s)
+        self._stalled: set[str] = set()  # as of the last refresh
+        self._stall_handled: set[str] = set()  # stalled workers whose jobs were re-dispatched
         self._backlog: dict[bytes, Job] = {}  # read but no live worker yet; still pending in the group
         self._workers_seen = asyncio.Event()
         self.clock = RedisClock()  # job deadlines are budgets counted on Redis' clock
@@ -237,7 +242,8 @@ class Scheduler:
                     self._clock_synced = time.monotonic()
                 dead = await self.refresh_workers()
                 for worker in dead:
-                    await self.redispatch(worker)
+                    if await self.redispatch(worker) and worker in self._stalled:
+                        self._stall_handled.add(worker)
             except (RedisError, OSError) as exc:
                 log.warning("watch: Redis error (%s)", exc)
             except Exception:
@@ -246,7 +252,7 @@ class Scheduler:
 
     async def refresh_workers(self) -> list[str]:
         """Update the capacity view and the lease table from heartbeats; return the workers
-        whose heartbeat expired."""
+        whose jobs must be re-dispatched: heartbeat expired, or newly stalled."""
         workers = sorted(w.decode() for w in await self.redis.smembers(self.keys.workers))
         beats = await self.redis.mget([self.keys.heartbeat(w) for w in workers]) if workers else []
         alive, dead = {}, []
@@ -258,6 +264,15 @@ class Scheduler:
                 alive[worker] = Heartbeat.decode(raw)
             except MessageError as exc:
                 log.error("ignoring malformed heartbeat of %s: %s", worker, exc)
+        stalled = self.progress.stalled(alive, time.monotonic())
+        for worker in sorted(stalled - self._stall_handled):
+            hb = alive[worker]
+            log.warning("worker %s is stalled: %d running, %d waiting, no engine step for %gs; re-dispatching its jobs",
+                        worker, hb.running, hb.waiting, self.cfg.stall_s)
+            dead.append(worker)
+        self._stall_handled &= stalled  # moving again: a later stall is a new one
+        self._stalled = stalled
+        alive = {w: hb for w, hb in alive.items() if w not in stalled}
         self.capacity.refresh(alive)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(self.keys.leases)
@@ -268,8 +283,9 @@ class Scheduler:
             await pipe.execute()
         return dead
 
-    async def redispatch(self, dead_worker: str) -> None:
-        """Send every unfinished job of a dead worker to a live one (attempt + 1)."""
+    async def redispatch(self, dead_worker: str) -> bool:
+        """Send every unfinished job of a dead (or stalled) worker to a live one (attempt + 1);
+        False when some must wait for a live worker."""
         k = self.keys
         rids = [r.decode() for r in await self.redis.smembers(k.worker_assignments(dead_worker))]
         for rid in rids:
@@ -300,7 +316,7 @@ class Scheduler:
             else:
                 target = self.capacity.pick(exclude={dead_worker})
                 if target is None:
-                    return  # no live worker yet: try again on the next check
+                    return False  # no live worker yet: try again on the next check
                 log.warning("re-dispatching %s from dead worker %s to %s (attempt %d)", rid, dead_worker, target, job.attempt + 1)
                 self._assign(pipe, dataclasses.replace(job, attempt=job.attempt + 1), target, now_ms())
             pipe.srem(k.worker_assignments(dead_worker), rid)
@@ -311,4 +327,5 @@ class Scheduler:
                 pipe.delete(k.inbox(dead_worker))
                 pipe.srem(k.workers, dead_worker)
                 await pipe.execute()
-            log.info("worker %s is gone (heartbeat expired); forgotten", dead_worker)
+            log.info("worker %s is gone (heartbeat expired or stalled); forgotten", dead_worker)
+        return True

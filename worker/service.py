@@ -139,11 +139,12 @@ class WorkerService:
         await self._ensure_group()
         await self.clock.sync(self.redis)
         log.info("worker %s ready (model %s, %d KV blocks)", self.cfg.worker_id, self.cfg.model_name, self.snapshot.kv_blocks_total)
-        tasks = [asyncio.create_task(c) for c in (
+        tasks = [asyncio.create_task(c, name=c.__name__) for c in (
             self._inbox_loop(stop), self._output_loop(), self._cancel_listener(), self._cancel_poll(),
             self._heartbeat_loop(), self._policy_loop(stop))]
+        died = None
         try:
-            await stop.wait()
+            died = await self._until_stop_or_a_loop_dies(stop, tasks)
             if self.engine.error is None:
                 await self._drain()
         finally:
@@ -158,6 +159,26 @@ class WorkerService:
                 pass
         if self.engine.error is not None:
             raise RuntimeError(f"the engine failed: {self.engine.error}") from self.engine.error
+        if died is not None:
+            raise RuntimeError(f"the worker's {died.get_name()} died: {died.exception()!r}") from died.exception()
+
+    async def _until_stop_or_a_loop_dies(self, stop: asyncio.Event, tasks: list[asyncio.Task]) -> asyncio.Task | None:
+        """Wait for ``stop``; a loop that ends with an exception stops the worker too (it exits
+        with an error, so it is restarted and its jobs re-dispatched) rather than leaving a
+        process that heartbeats while one of its loops is gone."""
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            while not stop.is_set():
+                done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task is not stopper and not task.cancelled() and task.exception() is not None:
+                        log.error("%s died; stopping the worker", task.get_name(), exc_info=task.exception())
+                        stop.set()
+                        return task
+                tasks = [t for t in tasks if not t.done()]
+            return None
+        finally:
+            stopper.cancel()
 
     async def _drain(self) -> None:
         """SIGTERM: say so at once (the heartbeat's ``draining``: the scheduler and the gateways'
@@ -228,11 +249,19 @@ class WorkerService:
                     start = b">"
                 await self._accept(entries)
             except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                # The scheduler thought we were dead and removed our inbox; start a new one.
-                log.warning("inbox was removed (declared dead after a pause?); recreating it")
-                await self._ensure_group()
+                if "NOGROUP" in str(exc):
+                    # The scheduler thought we were dead and removed our inbox; start a new one.
+                    log.warning("inbox was removed (declared dead after a pause?); recreating it")
+                    try:
+                        await self._ensure_group()
+                    except (RedisError, OSError) as exc2:
+                        log.warning("inbox: cannot recreate it yet (%s)", exc2)
+                        await asyncio.sleep(0.5)
+                    continue
+                # BUSY (a script runs past lua-time-limit), LOADING, ...: Redis will answer
+                # again; this task dying left a worker that heartbeats but never reads its inbox.
+                log.warning("inbox: Redis refused (%s); retrying", exc)
+                await asyncio.sleep(0.5)
             except (RedisError, OSError) as exc:
                 log.warning("inbox: Redis error (%s); retrying", exc)
                 await asyncio.sleep(0.5)
@@ -416,7 +445,7 @@ class WorkerService:
             kv_blocks_free=snap.kv_blocks_free, kv_blocks_total=snap.kv_blocks_total, running=snap.running,
             waiting=snap.waiting + unseen, max_running=self.cfg.max_running, gamma=snap.gamma,
             draft_residency=snap.draft_residency, policy_version=self._policy_version, started_unix_ms=self.started_ms,
-            memory_bytes=dict(snap.memory_bytes), draining=not self._accepting)
+            memory_bytes=dict(snap.memory_bytes), draining=not self._accepting, engine_steps=snap.steps)
 
     async def _beat(self) -> None:
         try:
