@@ -127,12 +127,41 @@ async def test_cancel_on_the_channel_aborts_within_a_step_and_frees_blocks(svc):
     assert service.snapshot.kv_blocks_free == free_before
 
 
-async def test_an_assignment_moved_to_another_worker_is_not_released_by_the_old_one(svc):
+async def test_an_assignment_moved_to_another_worker_gets_no_output_from_the_old_one(svc):
     service, redis, keys = svc
-    await submit(redis, keys, "moved", [1, 2, 3], worker="w2", max_tokens=3)  # the scheduler gave it to w2 meanwhile
-    await read_until_final(redis, keys, "moved")
-    await asyncio.sleep(0.05)
+    await submit(redis, keys, "moved", [1, 2, 3], worker="w2", max_tokens=40, ignore_eos=True)  # given to w2 meanwhile
+    for _ in range(100):  # it drops its copy as soon as its first chunk is refused
+        if "moved" not in service.active:
+            break
+        await asyncio.sleep(0.05)
+    assert "moved" not in service.active
+    # Nothing of ours in the stream: w2 continues from what it holds (a sampled request would
+    # otherwise splice two samples), and the assignment is not released by us.
+    assert await redis.xlen(keys.output("moved")) == 0
     assert await redis.hget(keys.assignment("moved"), "worker") == b"w2"
+
+
+async def test_a_redispatched_job_continues_from_what_the_client_was_sent(svc):
+    service, redis, keys = svc
+    target, _ = pair()
+    ids = list(prompt_ids(target, 2)[1])
+    from worker.engine import EngineRequest
+
+    ref = run_all(engine(target), [EngineRequest("ref", ids, SamplingParams(max_tokens=16, ignore_eos=True))])["ref"]
+    # A dead worker delivered 5 tokens (once twice, as after an earlier re-run) and died.
+    for index, toks in ((0, ref[:3]), (0, ref[:2]), (3, ref[3:5])):
+        await redis.xadd(keys.output("resumed"), {b"c": OutputChunk("resumed", index, tuple(toks), worker_id="dead").encode()})
+    job = Job(request_id="resumed", prompt_token_ids=tuple(ids), params={"max_tokens": 16, "ignore_eos": True}, attempt=1)
+    await redis.hset(keys.assignment("resumed"), mapping={"worker": "w1", "job": job.encode()})
+    await redis.xadd(keys.inbox("w1"), {b"job": job.encode()})
+    ours = [c for c in await read_until_final(redis, keys, "resumed") if c.worker_id == "w1"]
+    assert ours[0].index == 5  # not 0: the client has 0..4
+    got = list(ref[:5])
+    for c in ours:
+        assert c.index == len(got)
+        got += c.token_ids
+    assert got == ref  # greedy: the same as an uninterrupted run
+    assert ours[-1].completion_tokens == 16 and ours[-1].prompt_tokens == len(ids)
 
 
 async def test_a_policy_with_an_unknown_residency_is_ignored_not_fatal(svc):

@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import zlib
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -47,15 +48,26 @@ return 0
 # Every output chunk of a round trip in one command: one command for redis-py to pack and
 # parse instead of one or two per chunk (those were most of the worker's event-loop CPU), and
 # a script runs atomically, so the gateway's blocked XREAD wakes once with the whole step.
-# KEYS: output streams. ARGV: the TTL in ms, then per key its chunk, then per key "1" if the
-# stream's TTL must be (re)set (first and final chunk: a stream nobody reads must expire).
+# A chunk is written only while the request's assignment does not name another worker: once
+# the scheduler has moved it (we were taken for dead or stalled), the new owner continues
+# from what the stream holds at that moment, and a chunk of ours after it would splice two
+# samples into one completion. Returns the streams refused, so we abort our copy.
+# KEYS: output streams, then their assignment hashes. ARGV: the TTL in ms, our worker id, then
+# per stream its chunk, then per stream "1" if its TTL must be (re)set (first and final
+# chunk: a stream nobody reads must expire).
 _WRITE_OUTPUTS = """
-local n = #KEYS
+local n = #KEYS / 2
+local refused = {}
 for i = 1, n do
-  redis.call('XADD', KEYS[i], '*', 'c', ARGV[1 + i])
-  if ARGV[1 + n + i] == '1' then redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
+  local owner = redis.call('HGET', KEYS[n + i], 'worker')
+  if owner and owner ~= ARGV[2] then
+    refused[#refused + 1] = KEYS[i]
+  else
+    redis.call('XADD', KEYS[i], '*', 'c', ARGV[2 + i])
+    if ARGV[2 + n + i] == '1' then redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
+  end
 end
-return n
+return refused
 """
 
 
@@ -67,7 +79,7 @@ class _Ops:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple, dict]] = []
-        self.outputs: list[tuple[str, bytes, bool]] = []  # (stream, chunk, set the TTL)
+        self.outputs: list[tuple[str, bytes, bool, str]] = []  # (stream, chunk, set the TTL, request id)
         self.acks: list[bytes] = []  # inbox entries whose job is done
         self.released: list[str] = []  # request ids leaving this worker's assignment set
 
@@ -79,8 +91,8 @@ class _Ops:
 
     def replay(self, pipe, keys: Keys, worker_id: str, output_ttl_ms: int) -> None:
         if self.outputs:
-            streams = [o[0] for o in self.outputs]
-            args = [output_ttl_ms, *(o[1] for o in self.outputs), *(b"1" if o[2] else b"0" for o in self.outputs)]
+            streams = [o[0] for o in self.outputs] + [keys.assignment(o[3]) for o in self.outputs]
+            args = [output_ttl_ms, worker_id, *(o[1] for o in self.outputs), *(b"1" if o[2] else b"0" for o in self.outputs)]
             pipe.eval(_WRITE_OUTPUTS, len(streams), *streams, *args)
         for name, args, kw in self.calls:  # stats, dead letters, assignment releases
             getattr(pipe, name)(*args, **kw)
@@ -97,6 +109,23 @@ class Active:
     entry_id: bytes
     job: Job
     chunks: int = 0
+    offset: int = 0  # tokens delivered by an earlier worker: the engine's index 0 is the completion's index ``offset``
+
+
+def delivered_prefix(entries) -> tuple[list[int], bool]:
+    """The completion a request's client has been sent so far, read from its output stream
+    (first chunk at an index wins, as at the gateway), and whether a final chunk is there."""
+    tokens: list[int] = []
+    final = False
+    for _entry_id, fields in entries:
+        try:
+            chunk = OutputChunk.decode(fields[b"c"])
+        except (KeyError, MessageError):
+            continue  # the gateway skips these too
+        if chunk.index <= len(tokens) < chunk.index + len(chunk.token_ids):
+            tokens += chunk.token_ids[len(tokens) - chunk.index:]
+        final = final or chunk.finish_reason is not None
+    return tokens, final
 
 
 class WorkerService:
@@ -113,6 +142,7 @@ class WorkerService:
         self.started_ms = now_ms()
         self._policy_version = -1
         self.clock = RedisClock()  # job deadlines are budgets counted on Redis' clock
+        self._moved: set[str] = set()  # active requests another worker took over (being aborted)
         self._accepting = True
         # Set before the tasks are cancelled at shutdown: every loop also checks it, because a
         # cancellation that lands inside a redis-py call can be lost (see gateway/output_reader.py).
@@ -282,6 +312,7 @@ class WorkerService:
                 self._ack(pipe, entry_id)
                 continue
             jobs.append((entry_id, job))
+        delivered = await self._delivered([job for _, job in jobs if job.attempt > 0])
         started = []
         for entry_id, job in jobs:
             left_ms = remaining_ms(job, entry_id, self.clock)
@@ -296,8 +327,25 @@ class WorkerService:
                 self._finish(pipe, job.request_id, entry_id, OutputChunk(
                     job.request_id, 0, finish_reason="error", error=f"bad sampling params: {exc}", worker_id=self.cfg.worker_id))
                 continue
-            self.active[job.request_id] = Active(entry_id, job)
-            self.engine.submit(Add(job.request_id, list(job.prompt_token_ids), params))
+            prefix, final = delivered.get(job.request_id, ([], False))
+            if final:  # an earlier worker wrote its final chunk and died before acknowledging
+                self._ack(pipe, entry_id)
+                pipe.released.append(job.request_id)
+                pipe.eval(_RELEASE_ASSIGNMENT, 1, self.keys.assignment(job.request_id), self.cfg.worker_id)
+                continue
+            if prefix:
+                # Re-dispatched: continue the completion the client already has, not a new one
+                # (a sampled request re-run from scratch would splice two samples at index n).
+                log.info("resuming request %s at index %d (prefix crc32 %08x)", job.request_id, len(prefix),
+                         zlib.crc32(repr(prefix).encode()))
+                if params.max_tokens <= len(prefix):
+                    self._finish(pipe, job.request_id, entry_id, OutputChunk(
+                        job.request_id, len(prefix), finish_reason="length", prompt_tokens=len(job.prompt_token_ids),
+                        completion_tokens=len(prefix), worker_id=self.cfg.worker_id))
+                    continue
+                params = dataclasses.replace(params, max_tokens=params.max_tokens - len(prefix))
+            self.active[job.request_id] = Active(entry_id, job, offset=len(prefix))
+            self.engine.submit(Add(job.request_id, [*job.prompt_token_ids, *prefix], params))
             started.append(job.request_id)
         # Cancelled before it got here (e.g. while queued or re-dispatched)? Checked after the
         # hand-off so the check's round trip is not on every request's time to first token.
@@ -309,6 +357,16 @@ class WorkerService:
             redis_pipe = self.redis.pipeline(transaction=False)
             self._replay(pipe, redis_pipe)
             await redis_pipe.execute()
+
+    async def _delivered(self, jobs: list[Job]) -> dict[str, tuple[list[int], bool]]:
+        """What the clients of re-dispatched jobs have been sent so far. Read after the
+        scheduler moved the assignment to us, so the previous worker can add nothing more."""
+        if not jobs:
+            return {}
+        pipe = self.redis.pipeline(transaction=False)
+        for job in jobs:
+            pipe.xrange(self.keys.output(job.request_id))
+        return {job.request_id: delivered_prefix(entries) for job, entries in zip(jobs, await pipe.execute())}
 
     def _replay(self, ops: _Ops, pipe) -> None:
         ops.replay(pipe, self.keys, self.cfg.worker_id, int(self.cfg.output_ttl_s * 1000))
@@ -332,7 +390,8 @@ class WorkerService:
 
     def _write(self, pipe: _Ops, chunk: OutputChunk, first: bool) -> None:
         # A stream nobody reads must not outlive its TTL: set on the first and the final chunk.
-        pipe.outputs.append((self.keys.output(chunk.request_id), chunk.encode(), first or chunk.finish_reason is not None))
+        pipe.outputs.append((self.keys.output(chunk.request_id), chunk.encode(), first or chunk.finish_reason is not None,
+                             chunk.request_id))
 
     # ------------------------------------------------------------------ outputs
 
@@ -366,12 +425,25 @@ class WorkerService:
             pipe = self.redis.pipeline(transaction=False)
             self._replay(ops, pipe)
             try:
-                await pipe.execute()
+                results = await pipe.execute()
+                if ops.outputs:
+                    self._drop_moved(results[0])
                 return
             except (RedisError, OSError) as exc:
                 log.error("could not write a step's output (%s); retrying in %.1fs", exc, delay_s)
                 await asyncio.sleep(delay_s)
                 delay_s = min(2.0, delay_s * 2)
+
+    def _drop_moved(self, refused_streams) -> None:
+        """Abort our copy of requests whose assignment another worker now holds (their chunks
+        were refused): it continues from what the client has, and ours would only burn steps."""
+        prefix = self.keys.output("")
+        for stream in refused_streams or ():
+            rid = (stream.decode() if isinstance(stream, bytes) else stream)[len(prefix):]
+            if rid in self.active and rid not in self._moved:
+                log.warning("request %s was moved to another worker; dropping our copy", rid)
+                self._moved.add(rid)
+                self.engine.submit(Abort(rid))
 
     def _queue_result(self, pipe, result: StepResult) -> None:
         wid = self.cfg.worker_id
@@ -382,19 +454,22 @@ class WorkerService:
             if not out.new_token_ids and not out.finished:
                 continue
             chunk = OutputChunk(
-                request_id=out.request_id, index=out.index, token_ids=tuple(out.new_token_ids),
+                request_id=out.request_id, index=out.index + act.offset, token_ids=tuple(out.new_token_ids),
                 finish_reason=out.finish_reason if out.finished else None,
-                prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens, worker_id=wid)
+                prompt_tokens=out.prompt_tokens - act.offset, completion_tokens=out.completion_tokens + act.offset,
+                worker_id=wid)
             if out.finished:
                 self._finish(pipe, out.request_id, act.entry_id, chunk)
                 del self.active[out.request_id]
+                self._moved.discard(out.request_id)
             else:
                 self._write(pipe, chunk, first=act.chunks == 0)
                 act.chunks += 1
         for request_id, why in result.rejected:
             act = self.active.pop(request_id, None)
             if act is not None:
-                self._finish(pipe, request_id, act.entry_id, OutputChunk(request_id, 0, finish_reason="rejected", error=why, worker_id=wid))
+                self._finish(pipe, request_id, act.entry_id, OutputChunk(request_id, act.offset, finish_reason="rejected", error=why,
+                                                                         worker_id=wid))
         if result.stats is not None:
             stats = dataclasses.replace(result.stats, worker_id=wid)
             pipe.xadd(self.keys.stats, {b"s": stats.encode()}, maxlen=self.cfg.stats_maxlen, approximate=True)
