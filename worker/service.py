@@ -28,7 +28,7 @@ from nightjar import metrics as m
 from nightjar.deadline import RedisClock, forwarded, remaining_ms
 from nightjar.keys import Keys
 from nightjar.messages import Cancel, DeadLetter, Heartbeat, Job, MessageError, OutputChunk
-from nightjar.service_util import now_ms
+from nightjar.service_util import REDIS_RETRY_FIRST_S, now_ms, wait_for_redis
 from worker.engine_proc import EngineProcess
 from worker.engine_thread import Abort, Add, EngineThread, FollowPolicy, SetResidency, Snapshot, StepResult, UpdatePolicy
 from worker.service_config import WorkerServiceConfig
@@ -166,8 +166,9 @@ class WorkerService:
         if self.engine.error is not None:
             raise RuntimeError(f"the engine failed to start: {self.engine.error}") from self.engine.error
         self.snapshot = self.engine.snapshot
-        await self._ensure_group()
-        await self.clock.sync(self.redis)
+        if not await self._connect(stop):
+            self.engine.stop()
+            return
         log.info("worker %s ready (model %s, %d KV blocks)", self.cfg.worker_id, self.cfg.model_name, self.snapshot.kv_blocks_total)
         tasks = [asyncio.create_task(c, name=c.__name__) for c in (
             self._inbox_loop(stop), self._output_loop(), self._cancel_listener(), self._cancel_poll(),
@@ -258,6 +259,18 @@ class WorkerService:
                 log.info("draining: handed %d unstarted jobs back to the scheduler", len(handed))
         except (RedisError, OSError) as exc:  # they are re-dispatched when the heartbeat goes
             log.warning("draining: could not hand jobs back (%s)", exc)
+
+    async def _connect(self, stop: asyncio.Event) -> bool:
+        """Wait for Redis (the worker may start first), then create the inbox; False if stopped meanwhile."""
+        while await wait_for_redis(self.redis, stop, log):
+            try:
+                await self._ensure_group()
+                await self.clock.sync(self.redis)
+                return True
+            except (RedisError, OSError) as exc:  # went away again between the ping and here
+                log.warning("Redis failed while starting (%s); waiting for it again", exc)
+                await asyncio.sleep(REDIS_RETRY_FIRST_S)
+        return False
 
     async def _ensure_group(self) -> None:
         try:
