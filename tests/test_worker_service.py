@@ -92,6 +92,12 @@ async def test_job_streams_indexed_chunks_then_is_acked_and_released(svc):
     assert stats.worker_id == "w1" and stats.gamma == 2  # default γ (no planner)
     hb = Heartbeat.decode(await redis.get(keys.heartbeat("w1")))
     assert hb.model == Path(target).name and hb.kv_blocks_total > 0 and await redis.sismember(keys.workers, "w1")
+    for _ in range(20):  # the beat read above may predate the job (one every 0.2 s)
+        if hb.engine_steps > 0:
+            break
+        await asyncio.sleep(0.1)
+        hb = Heartbeat.decode(await redis.get(keys.heartbeat("w1")))
+    assert hb.engine_steps > 0 and not hb.draining  # the scheduler's proof of progress, in both engine modes
 
 
 async def test_refused_expired_and_cancelled_jobs_get_a_final_chunk_without_running(svc):
