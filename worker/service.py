@@ -542,8 +542,8 @@ class WorkerService:
                          px=int(self.cfg.heartbeat_ttl_s * 1000))
                 pipe.sadd(self.keys.workers, self.cfg.worker_id)
                 await pipe.execute()
-        except (RedisError, OSError) as exc:
-            log.warning("heartbeat failed (%s)", exc)
+        except (RedisError, OSError) as exc:  # the reason only: a pipeline's message quotes the binary record
+            log.warning("heartbeat failed (%s: %s)", type(exc).__name__, str(exc).split("caused error: ", 1)[-1])
 
     async def _heartbeat_loop(self) -> None:
         synced = time.monotonic()
