@@ -4,10 +4,14 @@ CUDA a child process: worker/engine_proc.py).
 - inbox: XREADGROUP on its own inbox stream; a job is acknowledged only once its final chunk
   is written (a worker killed mid-request leaves it pending; the scheduler re-dispatches it);
 - outputs: every engine step's chunks go out in one pipelined round trip, with the step's
-  stats (capped stream) and the bookkeeping of finished requests;
+  stats (capped stream) and the bookkeeping of finished requests (worker/output_ops.py); a
+  chunk of a request the scheduler moved to another worker is refused, and our copy aborted;
+- re-dispatched jobs continue from the tokens their client already has (read from the
+  request's output stream), never from index 0;
 - cancels: pub/sub for speed, plus a periodic key check for messages missed while reconnecting;
 - heartbeat: a Heartbeat with a TTL every ``heartbeat_interval_s``; the first is sent only once
-  the models are loaded, so the stack is ready exactly when a worker can take work;
+  the models are loaded (and Redis answers), so the stack is ready exactly when a worker can
+  take work; it carries the engine's step count (progress) and, after SIGTERM, ``draining``;
 - policy: worker.policy_view follows the planner; each new version goes to the engine, which
   reads γ from its own view every step.
 """
@@ -31,77 +35,12 @@ from nightjar.messages import Cancel, DeadLetter, Heartbeat, Job, MessageError, 
 from nightjar.service_util import REDIS_RETRY_FIRST_S, now_ms, wait_for_redis
 from worker.engine_proc import EngineProcess
 from worker.engine_thread import Abort, Add, EngineThread, FollowPolicy, SetResidency, Snapshot, StepResult, UpdatePolicy
+from worker.output_ops import RELEASE_ASSIGNMENT, Ops, delivered_prefix
 from worker.service_config import WorkerServiceConfig
 
 log = logging.getLogger("worker")
 DEAD_LETTER_PAYLOAD_BYTES = 64 * 1024  # as the scheduler's dead letters
 CLOCK_SYNC_S = 10.0  # re-measure Redis' clock this often (hosts drift slowly)
-
-# Delete an assignment only if it is still ours: after a false death (a long pause) the
-# scheduler may have given the job to another worker, whose record must survive us.
-_RELEASE_ASSIGNMENT = """
-if redis.call('HGET', KEYS[1], 'worker') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-
-# Every output chunk of a round trip in one command: one command for redis-py to pack and
-# parse instead of one or two per chunk (those were most of the worker's event-loop CPU), and
-# a script runs atomically, so the gateway's blocked XREAD wakes once with the whole step.
-# A chunk is written only while the request's assignment does not name another worker: once
-# the scheduler has moved it (we were taken for dead or stalled), the new owner continues
-# from what the stream holds at that moment, and a chunk of ours after it would splice two
-# samples into one completion. Returns the streams refused, so we abort our copy.
-# KEYS: output streams, then their assignment hashes. ARGV: the TTL in ms, our worker id, then
-# per stream its chunk, then per stream "1" if its TTL must be (re)set (first and final
-# chunk: a stream nobody reads must expire).
-_WRITE_OUTPUTS = """
-local n = #KEYS / 2
-local refused = {}
-for i = 1, n do
-  local owner = redis.call('HGET', KEYS[n + i], 'worker')
-  if owner and owner ~= ARGV[2] then
-    refused[#refused + 1] = KEYS[i]
-  else
-    redis.call('XADD', KEYS[i], '*', 'c', ARGV[2 + i])
-    if ARGV[2 + n + i] == '1' then redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
-  end
-end
-return refused
-"""
-
-
-class _Ops:
-    """Records pipeline calls (xadd, pexpire, ...) so a failed round trip can be replayed.
-
-    Output chunks go first, as one script call; inbox acknowledgements last, as one XACK and
-    one XDEL: a job is never acknowledged before its final chunk (or its dead letter)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple, dict]] = []
-        self.outputs: list[tuple[str, bytes, bool, str]] = []  # (stream, chunk, set the TTL, request id)
-        self.acks: list[bytes] = []  # inbox entries whose job is done
-        self.released: list[str] = []  # request ids leaving this worker's assignment set
-
-    def __getattr__(self, name: str):
-        return lambda *args, **kw: self.calls.append((name, args, kw))
-
-    def __len__(self) -> int:
-        return len(self.calls) + len(self.outputs) + len(self.acks) + len(self.released)
-
-    def replay(self, pipe, keys: Keys, worker_id: str, output_ttl_ms: int) -> None:
-        if self.outputs:
-            streams = [o[0] for o in self.outputs] + [keys.assignment(o[3]) for o in self.outputs]
-            args = [output_ttl_ms, worker_id, *(o[1] for o in self.outputs), *(b"1" if o[2] else b"0" for o in self.outputs)]
-            pipe.eval(_WRITE_OUTPUTS, len(streams), *streams, *args)
-        for name, args, kw in self.calls:  # stats, dead letters, assignment releases
-            getattr(pipe, name)(*args, **kw)
-        if self.acks:
-            inbox = keys.inbox(worker_id)
-            pipe.xack(inbox, keys.worker_group, *self.acks)
-            pipe.xdel(inbox, *self.acks)
-        if self.released:
-            pipe.srem(keys.worker_assignments(worker_id), *self.released)
 
 
 @dataclass
@@ -110,22 +49,6 @@ class Active:
     job: Job
     chunks: int = 0
     offset: int = 0  # tokens delivered by an earlier worker: the engine's index 0 is the completion's index ``offset``
-
-
-def delivered_prefix(entries) -> tuple[list[int], bool]:
-    """The completion a request's client has been sent so far, read from its output stream
-    (first chunk at an index wins, as at the gateway), and whether a final chunk is there."""
-    tokens: list[int] = []
-    final = False
-    for _entry_id, fields in entries:
-        try:
-            chunk = OutputChunk.decode(fields[b"c"])
-        except (KeyError, MessageError):
-            continue  # the gateway skips these too
-        if chunk.index <= len(tokens) < chunk.index + len(chunk.token_ids):
-            tokens += chunk.token_ids[len(tokens) - chunk.index:]
-        final = final or chunk.finish_reason is not None
-    return tokens, final
 
 
 class WorkerService:
@@ -249,7 +172,7 @@ class WorkerService:
                 if job.deadline_budget_ms > 0:  # the requests entry counts from now: write what is left
                     raw = forwarded(job, remaining_ms(job, entry_id, self.clock)).encode()
                 pipe.xadd(self.keys.requests, {b"job": raw})
-                pipe.eval(_RELEASE_ASSIGNMENT, 1, self.keys.assignment(job.request_id), self.cfg.worker_id)
+                pipe.eval(RELEASE_ASSIGNMENT, 1, self.keys.assignment(job.request_id), self.cfg.worker_id)
                 pipe.srem(self.keys.worker_assignments(self.cfg.worker_id), job.request_id)
                 pipe.xack(inbox, self.keys.worker_group, entry_id)
                 pipe.xdel(inbox, entry_id)
@@ -313,7 +236,7 @@ class WorkerService:
         if not self._accepting:  # draining: leave them pending; the scheduler re-sends them once we are gone
             return
         jobs: list[tuple[bytes, Job]] = []
-        pipe = _Ops()
+        pipe = Ops()
         for entry_id, fields in entries:
             try:
                 job = Job.decode(fields[b"job"])
@@ -344,7 +267,7 @@ class WorkerService:
             if final:  # an earlier worker wrote its final chunk and died before acknowledging
                 self._ack(pipe, entry_id)
                 pipe.released.append(job.request_id)
-                pipe.eval(_RELEASE_ASSIGNMENT, 1, self.keys.assignment(job.request_id), self.cfg.worker_id)
+                pipe.eval(RELEASE_ASSIGNMENT, 1, self.keys.assignment(job.request_id), self.cfg.worker_id)
                 continue
             if prefix:
                 # Re-dispatched: continue the completion the client already has, not a new one
@@ -381,7 +304,7 @@ class WorkerService:
             pipe.xrange(self.keys.output(job.request_id))
         return {job.request_id: delivered_prefix(entries) for job, entries in zip(jobs, await pipe.execute())}
 
-    def _replay(self, ops: _Ops, pipe) -> None:
+    def _replay(self, ops: Ops, pipe) -> None:
         ops.replay(pipe, self.keys, self.cfg.worker_id, int(self.cfg.output_ttl_s * 1000))
 
     def _dead_letter(self, pipe, entry_id: bytes, raw: bytes, reason: str) -> None:
@@ -391,17 +314,17 @@ class WorkerService:
         pipe.xadd(self.keys.dead_letters, {b"dl": dl.encode()}, maxlen=10_000, approximate=True)
         self._ack(pipe, entry_id)
 
-    def _ack(self, pipe: _Ops, entry_id: bytes) -> None:
+    def _ack(self, pipe: Ops, entry_id: bytes) -> None:
         pipe.acks.append(entry_id)  # XACK + XDEL, after the round trip's output chunks
 
-    def _finish(self, pipe: _Ops, request_id: str, entry_id: bytes, final: OutputChunk) -> None:
+    def _finish(self, pipe: Ops, request_id: str, entry_id: bytes, final: OutputChunk) -> None:
         """Write the final chunk, then acknowledge and forget the job (same round trip, in order)."""
         self._write(pipe, final, first=True)
         self._ack(pipe, entry_id)
         pipe.released.append(request_id)
-        pipe.eval(_RELEASE_ASSIGNMENT, 1, self.keys.assignment(request_id), self.cfg.worker_id)
+        pipe.eval(RELEASE_ASSIGNMENT, 1, self.keys.assignment(request_id), self.cfg.worker_id)
 
-    def _write(self, pipe: _Ops, chunk: OutputChunk, first: bool) -> None:
+    def _write(self, pipe: Ops, chunk: OutputChunk, first: bool) -> None:
         # A stream nobody reads must not outlive its TTL: set on the first and the final chunk.
         pipe.outputs.append((self.keys.output(chunk.request_id), chunk.encode(), first or chunk.finish_reason is not None,
                              chunk.request_id))
@@ -418,7 +341,7 @@ class WorkerService:
                 self._accepting = False
                 self._stop.set()
                 return
-            ops = _Ops()
+            ops = Ops()
             for result in results:
                 self._queue_result(ops, result)
             if results[-1].snapshot.draft_residency != self.snapshot.draft_residency:
@@ -429,7 +352,7 @@ class WorkerService:
                 if result.stats is not None:
                     m.observe_step(result.stats)
 
-    async def _write_until_done(self, ops: "_Ops") -> None:
+    async def _write_until_done(self, ops: "Ops") -> None:
         """One round trip for a batch of steps, retried until Redis takes it: a dropped chunk
         would leave a gap in a client's stream, a dropped final record a client waiting forever.
         Every op is idempotent or deduplicated by index, so replaying a partial write is safe."""
