@@ -69,7 +69,9 @@ class Inference:
                 entry.enqueued = True  # before the await: a cancel that lands during XADD must still be sent
                 await self._queue.enqueue(Job(
                     request_id=request_id, prompt_token_ids=tuple(prompt_ids), params=dataclasses.asdict(valid.params),
-                    deadline_unix_ms=now_ms() + int(remaining_s * 1000) if remaining_s is not None else 0,
+                    # the budget left, not a time on this host's clock (workers judge it on theirs)
+                    deadline_budget_ms=(max(1, int((deadline - asyncio.get_running_loop().time()) * 1000))
+                                        if deadline is not None else 0),
                     enqueued_unix_ms=now_ms(),
                 ))
                 stream = Completion(self.fast, prompt_ids, valid.params.stop, received_s)

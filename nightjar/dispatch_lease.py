@@ -10,7 +10,9 @@ TTL. The gateway's enqueue is one script that
 
 - falls back to the requests stream (and so to the scheduler) when jobs are already waiting
   there (first come, first served), when there is no table (no scheduler for a TTL), or when
-  no worker in it still has a heartbeat key;
+  no worker in it still has a heartbeat key that is not draining (the table is up to a check
+  old, and a worker that got SIGTERM since must get nothing new: the script reads the flag
+  from the heartbeat itself);
 - otherwise picks the worker the scheduler would (scheduler_svc.capacity: the tightest of free
   slots and free KV, ties to more free KV blocks, then the larger id), with the slots counted
   live from the worker's assignment set rather than from its last heartbeat;
@@ -44,7 +46,10 @@ local best, best_free, best_kv
 for i = 1, #leases, 2 do
   local worker = leases[i]
   local max_running, kv_free, kv_total = string.match(leases[i + 1], '^(%d+) (%d+) (%d+)$')
-  if max_running and redis.call('EXISTS', ARGV[7] .. worker) == 1 then
+  local hb = max_running and redis.call('GET', ARGV[7] .. worker)
+  local ok, beat = false, nil
+  if hb then ok, beat = pcall(cmsgpack.unpack, hb) end
+  if ok and type(beat) == 'table' and beat.draining ~= true then
     max_running, kv_free, kv_total = tonumber(max_running), tonumber(kv_free), tonumber(kv_total)
     local slots = (max_running - redis.call('SCARD', ARGV[6] .. worker)) / math.max(1, max_running)
     local free = math.min(slots, kv_free / math.max(1, kv_total))

@@ -195,9 +195,12 @@ class Job(Message):
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: dict[str, Any]  # SamplingParams as a map (nested records stay plain maps on the wire)
-    deadline_unix_ms: int = 0  # 0 = none
+    deadline_unix_ms: int = 0  # the previous wire version: absolute, on the gateway's clock (0 = none)
     enqueued_unix_ms: int = 0
     attempt: int = 0  # how many times a worker has been given this job before
+    # The deadline as the budget left (ms) when this copy was added to its stream; 0 = none.
+    # The receiver counts it from the entry id (Redis' clock): nightjar/deadline.py.
+    deadline_budget_ms: int = 0
 
     @property
     def sampling(self) -> SamplingParams:
@@ -254,6 +257,12 @@ class Heartbeat(Message):
     policy_version: int = -1
     started_unix_ms: int = 0
     memory_bytes: dict[str, int] = field(default_factory=dict)  # device budget by part (worker/memory.py)
+    # SIGTERM: finishing what it runs, taking nothing new; the scheduler and the gateways'
+    # lease script send it no more work (it is still alive: its jobs are not re-dispatched).
+    draining: bool = False
+    # Engine steps taken so far: with requests running and this not moving, the worker is
+    # stuck (a hung engine, a stopped engine process) however faithfully it heartbeats.
+    engine_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -291,6 +300,12 @@ class Policy(Message):
 
     ``bucket_upper_bounds[i]`` is the largest batch size of bucket i (ascending; the last
     bucket also covers anything larger). Workers ignore a policy older than ``ttl_s``.
+
+    ``version`` grows within one ``epoch``: a random id the planner draws whenever it starts
+    from a fresh state (nothing saved, or its saved state lost with a Redis that came back
+    empty). Workers adopt a higher version of the epoch they hold or any epoch they have not
+    left yet, so a planner that restarts from scratch at version 1 is not ignored until it
+    climbs past the version the workers last saw.
     """
 
     version: int
@@ -300,6 +315,7 @@ class Policy(Message):
     gamma_by_bucket: tuple[int, ...]
     residency: dict[str, str] = field(default_factory=dict)  # worker_id -> "resident"|"offloaded"
     name: str = "nightjar"
+    epoch: str = ""  # "" = a planner from before epochs (one epoch for all of them)
 
     def __post_init__(self) -> None:
         if len(self.bucket_upper_bounds) != len(self.gamma_by_bucket) or not self.gamma_by_bucket:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 ENV_PREFIX = "NIGHTJAR_"
 MAX_REDIS_CONNECTIONS = 4096  # per client (process); see connect_redis
@@ -75,6 +76,41 @@ def connect_redis(url: str, *, timeout_s: float = 1.0, block_margin_s: float = 5
     )
 
 
+REDIS_RETRY_FIRST_S = 0.25
+REDIS_RETRY_MAX_S = 5.0
+
+
+def redis_where(redis: aioredis.Redis) -> str:
+    """host:port (or socket path) of a client, without the password that the URL may hold."""
+    kw = redis.connection_pool.connection_kwargs
+    return kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}"
+
+
+async def wait_for_redis(redis: aioredis.Redis, stop: asyncio.Event, log: logging.Logger) -> bool:
+    """Until Redis answers (True) or ``stop`` is set (False), retrying with backoff and saying why.
+
+    Services start in any order (compose starts them together, a host reboots, Redis restarts
+    slower than a worker): one that exits because Redis is not up yet needs someone to start
+    it again, and one that retries silently looks hung.
+    """
+    delay = REDIS_RETRY_FIRST_S
+    while not stop.is_set():
+        try:
+            await redis.ping()
+            if delay > REDIS_RETRY_FIRST_S:
+                log.info("Redis at %s answers", redis_where(redis))
+            return True
+        except (RedisError, OSError) as exc:
+            log.warning("waiting for Redis at %s (%s: %s); retrying in %.1fs", redis_where(redis),
+                        type(exc).__name__, exc, delay)
+        try:
+            await asyncio.wait_for(stop.wait(), delay)
+        except asyncio.TimeoutError:
+            pass
+        delay = min(REDIS_RETRY_MAX_S, delay * 2)
+    return False
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -115,23 +151,33 @@ def add_common_args(parser, env: EnvDefaults) -> None:
 async def run_redis_loop(name: str, cfg, make_service: Callable[[aioredis.Redis], object]) -> int:
     """Serve metrics, then run ``make_service(redis).run(stop)`` until SIGTERM/SIGINT.
 
-    A service whose Redis is not up yet (compose starts everything at once) or goes away is
-    rebuilt and rerun after a second, rather than exiting. ``cfg`` needs ``metrics_port``,
+    A service whose Redis is not up yet (compose starts everything at once) or goes away
+    waits for it (``wait_for_redis``) and is rebuilt and rerun, rather than exiting; a run that
+    keeps failing right away backs off the same way. ``cfg`` needs ``metrics_port``,
     ``redis_url`` and ``read_block_ms``.
     """
-    from redis.exceptions import RedisError
-
     from nightjar import metrics
 
+    log = logging.getLogger(name)
     metrics.serve(cfg.metrics_port)
     redis = connect_redis(cfg.redis_url, block_margin_s=cfg.read_block_ms / 1000 + 5.0)
     stop = asyncio.Event()
     install_stop_handlers(asyncio.get_running_loop(), lambda _sig: stop.set())
-    while not stop.is_set():
+    delay = REDIS_RETRY_FIRST_S
+    while await wait_for_redis(redis, stop, log):
+        started = time.monotonic()
         try:
             await make_service(redis).run(stop)
         except (RedisError, OSError) as exc:
-            logging.getLogger(name).warning("cannot reach Redis (%s); retrying", exc)
-            await asyncio.sleep(1.0)
+            if time.monotonic() - started > 30:  # it ran a while: a new outage, not a failing start
+                delay = REDIS_RETRY_FIRST_S
+            log.warning("Redis failed under the %s (%s: %s); restarting it in %.1fs", name, type(exc).__name__, exc, delay)
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+            delay = min(REDIS_RETRY_MAX_S, delay * 2)
+        else:
+            break
     await redis.aclose()
     return 0

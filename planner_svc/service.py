@@ -4,15 +4,21 @@
     → policy.update(each) → XACK → publish if the table/residency changed or ttl/3 passed
     → save state (msgpack) to keys.planner_state now and then
 
-A bad entry is logged and acknowledged, never retried forever. The version only grows: a
-restarted planner starts above both its saved version and the one currently published. It
-never sits on a worker's hot path: workers look γ up in the table they already hold.
+A bad entry is logged and acknowledged, never retried forever. The version only grows within
+an epoch (nightjar.messages.Policy): a restarted planner resumes its saved epoch and starts
+above both its saved version and the one currently published; one that starts from a fresh
+state draws a new epoch, which workers adopt whatever its version. A version that reaches
+``VERSION_LIMIT`` starts a new epoch at 1 instead of overflowing msgpack's 64-bit integers
+(which failed every publish: the planner exited, restarted above the same version, and
+failed again). It never sits on a worker's hot path: workers look γ up in the table they
+already hold.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -27,6 +33,11 @@ from planner_svc.policies import GammaPolicy, make_policy
 log = logging.getLogger("planner")
 STATE_FORMAT = 1
 STATS_FIELD = b"s"  # worker.service writes XADD keys.stats {b"s": StepStats.encode()}
+VERSION_LIMIT = 2**63 - 1  # signed 64-bit, so any reader's integer type holds it
+
+
+def new_epoch() -> str:
+    return secrets.token_hex(8)
 
 
 def now_ms() -> int:
@@ -36,9 +47,9 @@ def now_ms() -> int:
 STATE_MAX_BYTES = 16 << 20  # a nightjar state is a few KB to a few hundred KB; anything this big is not ours
 
 
-def encode_state(cfg: PlannerConfig, version: int, policy: GammaPolicy) -> bytes:
+def encode_state(cfg: PlannerConfig, version: int, policy: GammaPolicy, epoch: str = "") -> bytes:
     """The planner's saved state (keys.planner_state): msgpack, the policy's learned statistics."""
-    return msgpack.packb({"format": STATE_FORMAT, "version": version, "policy": cfg.policy,
+    return msgpack.packb({"format": STATE_FORMAT, "version": version, "epoch": epoch, "policy": cfg.policy,
                           "gamma_max": cfg.gamma_max, "buckets": list(cfg.buckets),
                           "saved_unix_ms": now_ms(), "state": policy.state_dict()}, use_bin_type=True)
 
@@ -67,6 +78,7 @@ class PlannerService:
         if prior is not None:  # a saved state, when one is resumed, replaces it (start())
             self.policy.warm_start(prior)
         self.version = 0
+        self.epoch = new_epoch()  # replaced by the saved one when the saved state is resumed
         self.published: tuple[tuple[int, ...], dict[str, str]] | None = None
         self.published_at = 0.0
         self.published_policy: Policy | None = None
@@ -100,20 +112,22 @@ class PlannerService:
                     and state.get("gamma_max") == self.cfg.gamma_max
                     and list(state.get("buckets", ())) == list(self.cfg.buckets)):
                 self.policy.load_state_dict(state["state"])
-                log.info("resumed %s from saved state (version %d)", self.cfg.policy, self.version)
+                if isinstance(state.get("epoch"), str) and state["epoch"]:
+                    self.epoch = state["epoch"]
+                log.info("resumed %s from saved state (epoch %s, version %d)", self.cfg.policy, self.epoch, self.version)
             else:
                 log.info("saved state is for another policy/config; starting fresh at version %d", self.version)
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("saved planner state unreadable (%s); starting fresh", exc)
 
     async def save_state(self) -> None:
-        await self.redis.set(self.keys.planner_state, encode_state(self.cfg, self.version, self.policy))
+        await self.redis.set(self.keys.planner_state, encode_state(self.cfg, self.version, self.policy, self.epoch))
         self.saved_at = time.monotonic()
 
     def current_policy(self) -> Policy:
         return Policy(version=self.version, unix_ms=now_ms(), ttl_s=self.cfg.ttl_s,
                       bucket_upper_bounds=self.policy.buckets, gamma_by_bucket=self.policy.table(),
-                      residency=self.policy.residency(), name=self.policy.name)
+                      residency=self.policy.residency(), name=self.policy.name, epoch=self.epoch)
 
     async def publish(self, force: bool = False) -> bool:
         """SET + PUBLISH a new version if the decision changed or a refresh is due."""
@@ -122,6 +136,9 @@ class PlannerService:
         due = time.monotonic() - self.published_at >= self.cfg.republish_s
         if not (force or due or changed):
             return False
+        if self.version >= VERSION_LIMIT:
+            old, self.epoch, self.version = self.epoch, new_epoch(), 0
+            log.warning("policy version reached %d; epoch %s -> %s, counting from 1 again", VERSION_LIMIT, old, self.epoch)
         self.version += 1
         policy = self.current_policy()
         blob = policy.encode()

@@ -16,12 +16,14 @@ def parse_config(argv: list[str]) -> SchedulerConfig:
     p.add_argument("--max-deliveries", type=int, default=5, help="dead-letter a queue entry delivered more often")
     p.add_argument("--max-attempts", type=int, default=3, help="fail a request whose workers died this often")
     p.add_argument("--claim-idle-ms", type=int, default=10_000, help="reclaim entries a dead scheduler left pending this long")
+    p.add_argument("--stall-s", type=float, default=SchedulerConfig.stall_s,
+                   help="a worker with work whose engine takes no step this long is treated as dead")
     add_common_args(p, env)
     a = p.parse_args(argv)
     extra = {"consumer": a.consumer} if a.consumer else {}
     try:
         return SchedulerConfig(redis_url=a.redis_url, key_prefix=a.key_prefix, max_deliveries=a.max_deliveries,
-                               max_attempts=a.max_attempts, claim_idle_ms=a.claim_idle_ms,
+                               max_attempts=a.max_attempts, claim_idle_ms=a.claim_idle_ms, stall_s=a.stall_s,
                                metrics_port=a.metrics_port, log_level=a.log_level, **extra)
     except ValueError as exc:
         p.error(str(exc))

@@ -39,12 +39,39 @@ class CapacityView:
         self._recent.setdefault(worker, []).append(unix_ms)
 
     def pick(self, exclude: frozenset[str] | set[str] = frozenset()) -> str | None:
-        """The live worker with the most free capacity, ties to more free KV blocks then id."""
+        """The live worker with the most free capacity, ties to more free KV blocks then id
+        (a draining worker takes nothing new)."""
         best, best_key = None, None
         for worker, hb in self.heartbeats.items():
-            if worker in exclude:
+            if worker in exclude or hb.draining:
                 continue
             key = (free_fraction(hb, len(self._recent.get(worker, ()))), hb.kv_blocks_free, worker)
             if best_key is None or key > best_key:
                 best, best_key = worker, key
         return best
+
+
+@dataclass
+class ProgressView:
+    """Which workers hold work but take no engine step: alive is making progress.
+
+    A worker whose engine hangs (a stuck kernel, a stopped engine process, a deadlock) keeps
+    heartbeating from its event loop, so its heartbeat alone would keep its requests waiting
+    forever. A worker with requests running or waiting whose ``engine_steps`` has not moved
+    for ``stall_s`` is stalled: dead for dispatch, and its jobs are re-dispatched.
+    """
+
+    stall_s: float
+    _moved: dict[str, tuple[int, float]] = field(default_factory=dict)  # worker -> (steps, when last moved or idle)
+
+    def stalled(self, alive: dict[str, Heartbeat], now_s: float) -> set[str]:
+        out = set()
+        for worker, hb in alive.items():
+            steps, since = self._moved.get(worker, (None, now_s))
+            if steps != hb.engine_steps or hb.running + hb.waiting == 0:
+                self._moved[worker] = (hb.engine_steps, now_s)
+            elif now_s - since >= self.stall_s:
+                out.add(worker)
+        for worker in set(self._moved) - set(alive):
+            del self._moved[worker]
+        return out

@@ -32,6 +32,9 @@ class SchedulerConfig:
     assignment_ttl_s: float = ASSIGNMENT_TTL_S  # a leaked assignment record disappears after this
     lease_ttl_s: float = 1.0  # the lease table outlives the scheduler by this much (nightjar.dispatch_lease)
     dead_letter_maxlen: int = 10_000
+    # A worker with work whose engine takes no step for this long is stalled (dead for
+    # dispatch; its jobs re-dispatched). Above any single step: a long prefill on a CPU is seconds.
+    stall_s: float = 10.0
     metrics_port: int = 0
     log_level: str = "INFO"
 
@@ -40,7 +43,7 @@ class SchedulerConfig:
         for name in ("read_count", "read_block_ms", "max_deliveries", "max_attempts", "claim_idle_ms", "dead_letter_maxlen"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("claim_interval_s", "heartbeat_check_s", "output_ttl_s", "assignment_ttl_s", "lease_ttl_s"):
+        for name in ("claim_interval_s", "heartbeat_check_s", "output_ttl_s", "assignment_ttl_s", "lease_ttl_s", "stall_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.lease_ttl_s < 2 * self.heartbeat_check_s:

@@ -165,3 +165,20 @@ def test_image_builds():  # pragma: no cover - runs only where Docker exists
     proc = subprocess.run(["docker", "build", "-q", "-t", "nightjar:test", str(ROOT)], capture_output=True,
                           text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr
+
+
+def _seconds(duration: str) -> float:
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    unit = next(u for u in ("ms", "s", "m", "h") if duration.endswith(u))
+    return float(duration[: -len(unit)]) * units[unit]
+
+
+def test_the_worker_is_given_time_to_drain(config):
+    """docker stop sends SIGKILL after stop_grace_period: shorter than the worker's drain (plus
+    stopping its engine) would kill running requests that SIGTERM meant to let finish."""
+    from worker.service_config import WorkerServiceConfig
+
+    svc = config["services"]["worker"]
+    args = svc["command"]
+    drain_s = float(args[args.index("--drain-grace-s") + 1]) if "--drain-grace-s" in args else WorkerServiceConfig.drain_grace_s
+    assert _seconds(svc.get("stop_grace_period", "10s")) >= drain_s + 10

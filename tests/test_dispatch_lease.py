@@ -29,9 +29,9 @@ async def env(redis_url, key_prefix):
     await redis.aclose()
 
 
-async def beat(redis, keys, wid, kv_free=100, running=0):
+async def beat(redis, keys, wid, kv_free=100, running=0, draining=False):
     hb = Heartbeat(worker_id=wid, unix_ms=now_ms(), model="m", kv_blocks_free=kv_free, kv_blocks_total=100,
-                   running=running, waiting=0, max_running=8, gamma=0, draft_residency="none")
+                   running=running, waiting=0, max_running=8, gamma=0, draft_residency="none", draining=draining)
     await redis.set(keys.heartbeat(wid), hb.encode(), px=60_000)
     await redis.sadd(keys.workers, wid)
 
@@ -107,3 +107,17 @@ async def test_a_leased_job_of_a_dead_worker_is_redispatched(env):
     moved = await redis.xrange(keys.inbox("w2"))
     assert [Job.decode(f[b"job"]).attempt for _, f in moved] == [1]
     assert await redis.hget(keys.assignment("r0"), "worker") == b"w2"
+
+
+async def test_a_draining_worker_gets_nothing_new_even_from_a_table_written_before_it_drained(env):
+    sched, direct, redis, keys = env
+    await beat(redis, keys, "idle-but-draining")
+    await beat(redis, keys, "busy", kv_free=40, running=6)
+    await sched.refresh_workers()  # the table still lists both
+    await beat(redis, keys, "idle-but-draining", draining=True)  # SIGTERM after the table was written
+    assert [await send(direct, f"r{i}") for i in range(3)] == ["busy"] * 3
+    await sched.refresh_workers()  # the scheduler leaves it out of the next table
+    assert set(await redis.hkeys(keys.leases)) == {b"busy"}
+    await beat(redis, keys, "busy", draining=True)
+    await sched.refresh_workers()
+    assert await send(direct, "queued") is None and await redis.xlen(keys.requests) == 1

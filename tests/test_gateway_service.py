@@ -222,3 +222,12 @@ async def test_unavailable_fast_while_redis_is_down_and_back_after(key_prefix):
         await channel.close()
         await gw.drain_and_stop()
         server.stop()
+
+
+async def test_the_deadline_travels_as_the_budget_left(rig):
+    call = rig.stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=2), timeout=30)
+    job = await rig.next_job()
+    # The budget, not a time on the gateway's clock: a receiver counts it on its own.
+    assert 25_000 < job.deadline_budget_ms <= 30_000 and job.deadline_unix_ms == 0
+    await rig.emit(job.request_id, 0, (5, 6), finish="length")
+    await collect(call)

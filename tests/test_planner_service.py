@@ -161,3 +161,39 @@ async def test_corrupt_saved_state_starts_fresh(r, redis_url, key_prefix):
     assert service.version == 0 and service.policy.updates == 0
     await service.publish(force=True)
     assert Policy.decode(await r.get(keys.policy)).version == 1
+
+
+async def test_a_version_near_2_64_starts_a_new_epoch_instead_of_crash_looping(r, redis_url, key_prefix):
+    keys = Keys(key_prefix)
+    view = PolicyView("w1", 0)
+    huge = Policy(version=2**64 - 1, unix_ms=int(time.time() * 1000), ttl_s=10.0, bucket_upper_bounds=(1,),
+                  gamma_by_bucket=(1,), epoch="old")
+    await r.set(keys.policy, huge.encode())
+    view.update(huge)
+    for _ in range(2):  # a restart finds the same published version: it must not fail again
+        service = PlannerService(config(redis_url, key_prefix, "fixed:3"), r)
+        await service.start()
+        await service.publish(force=True)
+        published = Policy.decode(await r.get(keys.policy))
+        assert published.version == 1 and published.epoch not in ("", "old")
+        assert view.update(published) and view.gamma(1, time.time()) == 3  # workers follow the new epoch
+        await r.set(keys.policy, huge.encode())
+
+
+async def test_a_fresh_state_gets_a_new_epoch_and_a_resumed_one_keeps_it(r, redis_url, key_prefix):
+    keys = Keys(key_prefix)
+    first = PlannerService(config(redis_url, key_prefix, "fixed:2"), r)
+    await first.start()
+    await first.publish(force=True)
+    await first.save_state()
+    resumed = PlannerService(config(redis_url, key_prefix, "fixed:2"), r)
+    await resumed.start()
+    assert resumed.epoch == first.epoch
+    await r.delete(keys.planner_state, keys.policy)  # Redis came back empty
+    fresh = PlannerService(config(redis_url, key_prefix, "fixed:2"), r)
+    await fresh.start()
+    await fresh.publish(force=True)
+    assert fresh.epoch != first.epoch and fresh.version == 1
+    view = PolicyView("w1", 0)
+    view.update(first.published_policy)
+    assert view.update(fresh.published_policy)  # not ignored for being version 1

@@ -16,9 +16,9 @@ BOUNDS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def policy(version: int, gammas=(4, 4, 3, 2, 1, 0, 0), unix_s: float | None = None, ttl_s: float = 10.0,
-           residency=None) -> Policy:
+           residency=None, epoch: str = "") -> Policy:
     return Policy(version=version, unix_ms=int((time.time() if unix_s is None else unix_s) * 1000), ttl_s=ttl_s,
-                  bucket_upper_bounds=BOUNDS, gamma_by_bucket=gammas, residency=residency or {})
+                  bucket_upper_bounds=BOUNDS, gamma_by_bucket=gammas, residency=residency or {}, epoch=epoch)
 
 
 def test_default_until_a_policy_arrives_then_the_table():
@@ -35,6 +35,38 @@ def test_older_versions_are_ignored():
     view.update(policy(5, gammas=(1,) * 7))
     assert not view.update(policy(4, gammas=(3,) * 7)) and not view.update(policy(5, gammas=(3,) * 7))
     assert view.gamma(1, time.time()) == 1 and view.version == 5
+
+
+def test_a_new_epoch_is_adopted_at_any_version_and_a_left_one_never_again():
+    view = PolicyView("w1", 0)
+    assert view.update(policy(500, gammas=(1,) * 7, epoch="a"))
+    # The planner restarted from a fresh state (Redis came back empty): it counts from 1 again.
+    assert view.update(policy(1, gammas=(3,) * 7, epoch="b"))
+    assert view.epoch_version == ("b", 1) and view.gamma(1, time.time()) == 3
+    assert not view.update(policy(501, gammas=(1,) * 7, epoch="a"))  # a late message of the epoch left
+    assert not view.update(policy(1, gammas=(2,) * 7, epoch="b"))
+    assert view.update(policy(2, gammas=(2,) * 7, epoch="b")) and view.gamma(1, time.time()) == 2
+
+
+def test_a_policy_stamped_in_the_future_is_stale():
+    view = PolicyView("w1", 1, ttl_s=None)
+    now = time.time()
+    view.update(policy(1, gammas=(4,) * 7, unix_s=now + 3600, residency={"w1": "offloaded"}))
+    # Trusted until an hour past its TTL otherwise; NTP jitter (well under a second) is not this.
+    assert view.gamma(1, now) == 1 and view.residency(now) == "resident" and not view.fresh(now)
+    view.update(policy(2, gammas=(4,) * 7, unix_s=now + 0.2))
+    assert view.gamma(1, now) == 4
+
+
+def test_an_unknown_residency_is_logged_and_ignored(caplog):
+    view = PolicyView("w1", 0)
+    view.update(policy(1, residency={"w1": "evaporated", "w2": "offloaded"}))
+    now = time.time()
+    with caplog.at_level("WARNING", logger="worker.policy"):
+        assert view.residency(now) == "resident" and view.residency(now) == "resident"
+    assert [r.getMessage() for r in caplog.records if "evaporated" in r.getMessage()][:2] == [
+        "policy v1: ignoring residency 'evaporated' for w1 (not one of ('resident', 'offloaded'))"]
+    assert PolicyView("w2", 0).update(policy(1, residency={"w2": "offloaded"}))
 
 
 def test_stale_policy_falls_back_to_default_and_resident():

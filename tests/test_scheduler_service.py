@@ -31,9 +31,9 @@ async def env(redis_url, key_prefix):
     await redis.aclose()
 
 
-async def beat(redis, keys, wid, free=100, running=0, ttl_ms=60_000):
+async def beat(redis, keys, wid, free=100, running=0, ttl_ms=60_000, draining=False):
     hb = Heartbeat(worker_id=wid, unix_ms=now_ms(), model="m", kv_blocks_free=free, kv_blocks_total=100,
-                   running=running, waiting=0, max_running=8, gamma=0, draft_residency="none")
+                   running=running, waiting=0, max_running=8, gamma=0, draft_residency="none", draining=draining)
     await redis.set(keys.heartbeat(wid), hb.encode(), px=ttl_ms)
     await redis.sadd(keys.workers, wid)
 
@@ -66,6 +66,17 @@ async def test_dispatch_to_freest_worker_records_assignment_and_acks(env):
     assert await redis.smembers(keys.worker_assignments("idle")) == {b"r0", b"r1", b"r2", b"r3"}
     assert (await redis.xpending(keys.requests, keys.scheduler_group))["pending"] == 0
     assert await redis.xlen(keys.requests) == 0  # dispatched entries are deleted: XLEN = backlog
+
+
+async def test_a_draining_worker_gets_no_jobs_and_is_not_declared_dead(env):
+    sched, redis, keys = env
+    await beat(redis, keys, "leaving", draining=True)
+    await beat(redis, keys, "busy", running=7)
+    assert await sched.refresh_workers() == []
+    for i in range(3):
+        await redis.xadd(keys.requests, {b"job": job(f"r{i}").encode()})
+    await sched.handle(await read_group(sched, redis, keys), deliveries=1)
+    assert await inbox_jobs(redis, keys, "leaving") == [] and len(await inbox_jobs(redis, keys, "busy")) == 3
 
 
 async def test_undecodable_entry_is_dead_lettered(env):
@@ -153,3 +164,52 @@ async def test_dead_workers_jobs_go_to_a_live_worker_with_attempt_plus_one(env):
     assert OutputChunk.decode(out[b"c"]).finish_reason == "error"
     assert not await redis.exists(keys.inbox("doomed"), keys.worker_assignments("doomed"))
     assert await redis.smembers(keys.workers) == {b"heir"}
+
+
+async def test_the_deadline_budget_counts_the_time_in_the_queue(env):
+    sched, redis, keys = env
+    await sched.clock.sync(redis)
+    await beat(redis, keys, "w")
+    await sched.refresh_workers()
+    await redis.xadd(keys.requests, {b"job": job("short", deadline_budget_ms=150).encode()})
+    await redis.xadd(keys.requests, {b"job": job("long", deadline_budget_ms=60_000).encode()})
+    await asyncio.sleep(0.3)  # both waited 300 ms on Redis' clock before the scheduler read them
+    await sched.handle(await read_group(sched, redis, keys), deliveries=1)
+    (_, fields), = await redis.xrange(keys.output("short"))
+    assert OutputChunk.decode(fields[b"c"]).finish_reason == "deadline"
+    (forwarded,) = await inbox_jobs(redis, keys, "w")
+    # The inbox entry counts from its own id: it carries what is left, not the full budget again.
+    assert forwarded.request_id == "long" and 50_000 < forwarded.deadline_budget_ms <= 59_700
+
+
+async def test_a_bad_assignment_record_is_dead_lettered_and_the_watch_loop_goes_on(env):
+    sched, redis, keys = env
+    stop = asyncio.Event()
+    task = asyncio.create_task(sched.run(stop))
+    try:
+        await beat(redis, keys, "heir")
+        await redis.hset(keys.assignment("bad"), mapping={b"worker": b"gone1", b"job": b"\xc1 not a job"})
+        await redis.sadd(keys.worker_assignments("gone1"), "bad")
+        await redis.sadd(keys.workers, "gone1")
+        for _ in range(40):
+            if await redis.xlen(keys.dead_letters):
+                break
+            await asyncio.sleep(0.05)
+        # Another worker dies after that: the watch loop must still be there to notice.
+        await redis.hset(keys.assignment("good"), mapping={b"worker": b"gone2", b"job": job("good").encode()})
+        await redis.sadd(keys.worker_assignments("gone2"), "good")
+        await redis.sadd(keys.workers, "gone2")
+        for _ in range(40):
+            if await inbox_jobs(redis, keys, "heir"):
+                break
+            await asyncio.sleep(0.05)
+        assert [j.request_id for j in await inbox_jobs(redis, keys, "heir")] == ["good"]
+        (_, fields), = await redis.xrange(keys.dead_letters)
+        assert "gone1" in DeadLetter.decode(fields[b"dl"]).reason
+        (_, out), = await redis.xrange(keys.output("bad"))
+        assert OutputChunk.decode(out[b"c"]).finish_reason == "error"  # its client is answered
+        assert not await redis.exists(keys.assignment("bad"))
+        assert all(not t.done() for t in asyncio.all_tasks() if t.get_name().endswith("_loop"))
+    finally:
+        stop.set()
+        await task

@@ -14,7 +14,7 @@ import pytest_asyncio
 
 from engine_support import engine, pair, prompt_ids, run_all
 from nightjar.keys import Keys
-from nightjar.messages import Cancel, Heartbeat, Job, OutputChunk, SamplingParams, StepStats
+from nightjar.messages import Cancel, Heartbeat, Job, OutputChunk, Policy, SamplingParams, StepStats
 from nightjar.service_util import connect_redis, now_ms
 from worker.service import WorkerService
 from worker.service_config import WorkerServiceConfig
@@ -92,6 +92,12 @@ async def test_job_streams_indexed_chunks_then_is_acked_and_released(svc):
     assert stats.worker_id == "w1" and stats.gamma == 2  # default γ (no planner)
     hb = Heartbeat.decode(await redis.get(keys.heartbeat("w1")))
     assert hb.model == Path(target).name and hb.kv_blocks_total > 0 and await redis.sismember(keys.workers, "w1")
+    for _ in range(20):  # the beat read above may predate the job (one every 0.2 s)
+        if hb.engine_steps > 0:
+            break
+        await asyncio.sleep(0.1)
+        hb = Heartbeat.decode(await redis.get(keys.heartbeat("w1")))
+    assert hb.engine_steps > 0 and not hb.draining  # the scheduler's proof of progress, in both engine modes
 
 
 async def test_refused_expired_and_cancelled_jobs_get_a_final_chunk_without_running(svc):
@@ -127,9 +133,55 @@ async def test_cancel_on_the_channel_aborts_within_a_step_and_frees_blocks(svc):
     assert service.snapshot.kv_blocks_free == free_before
 
 
-async def test_an_assignment_moved_to_another_worker_is_not_released_by_the_old_one(svc):
+async def test_an_assignment_moved_to_another_worker_gets_no_output_from_the_old_one(svc):
     service, redis, keys = svc
-    await submit(redis, keys, "moved", [1, 2, 3], worker="w2", max_tokens=3)  # the scheduler gave it to w2 meanwhile
-    await read_until_final(redis, keys, "moved")
-    await asyncio.sleep(0.05)
+    await submit(redis, keys, "moved", [1, 2, 3], worker="w2", max_tokens=40, ignore_eos=True)  # given to w2 meanwhile
+    for _ in range(100):  # it drops its copy as soon as its first chunk is refused
+        if "moved" not in service.active:
+            break
+        await asyncio.sleep(0.05)
+    assert "moved" not in service.active
+    # Nothing of ours in the stream: w2 continues from what it holds (a sampled request would
+    # otherwise splice two samples), and the assignment is not released by us.
+    assert await redis.xlen(keys.output("moved")) == 0
     assert await redis.hget(keys.assignment("moved"), "worker") == b"w2"
+
+
+async def test_a_redispatched_job_continues_from_what_the_client_was_sent(svc):
+    service, redis, keys = svc
+    target, _ = pair()
+    ids = list(prompt_ids(target, 2)[1])
+    from worker.engine import EngineRequest
+
+    ref = run_all(engine(target), [EngineRequest("ref", ids, SamplingParams(max_tokens=16, ignore_eos=True))])["ref"]
+    # A dead worker delivered 5 tokens (once twice, as after an earlier re-run) and died.
+    for index, toks in ((0, ref[:3]), (0, ref[:2]), (3, ref[3:5])):
+        await redis.xadd(keys.output("resumed"), {b"c": OutputChunk("resumed", index, tuple(toks), worker_id="dead").encode()})
+    job = Job(request_id="resumed", prompt_token_ids=tuple(ids), params={"max_tokens": 16, "ignore_eos": True}, attempt=1)
+    await redis.hset(keys.assignment("resumed"), mapping={"worker": "w1", "job": job.encode()})
+    await redis.xadd(keys.inbox("w1"), {b"job": job.encode()})
+    ours = [c for c in await read_until_final(redis, keys, "resumed") if c.worker_id == "w1"]
+    assert ours[0].index == 5  # not 0: the client has 0..4
+    got = list(ref[:5])
+    for c in ours:
+        assert c.index == len(got)
+        got += c.token_ids
+    assert got == ref  # greedy: the same as an uninterrupted run
+    assert ours[-1].completion_tokens == 16 and ours[-1].prompt_tokens == len(ids)
+
+
+async def test_a_policy_with_an_unknown_residency_is_ignored_not_fatal(svc):
+    service, redis, keys = svc
+    bogus = Policy(version=10**6, unix_ms=now_ms(), ttl_s=10.0, bucket_upper_bounds=(1,), gamma_by_bucket=(1,),
+                   residency={"w1": "evaporated"}, epoch="bogus")
+    await redis.set(keys.policy, bogus.encode())
+    await redis.publish(keys.policy_channel, bogus.encode())
+    for _ in range(50):  # adopted (γ from it), its residency ignored
+        if Heartbeat.decode(await redis.get(keys.heartbeat("w1"))).policy_version == 10**6:
+            break
+        await asyncio.sleep(0.1)
+    assert Heartbeat.decode(await redis.get(keys.heartbeat("w1"))).policy_version == 10**6
+    await submit(redis, keys, "after-bogus", [1, 2, 3], max_tokens=3)
+    assert (await read_until_final(redis, keys, "after-bogus"))[-1].finish_reason in ("length", "stop")
+    assert service.engine.error is None and service.snapshot.draft_residency == "resident"
+    await redis.delete(keys.policy)

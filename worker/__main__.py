@@ -28,6 +28,8 @@ def parse_config(argv: list[str]) -> WorkerServiceConfig:
     p.add_argument("--default-gamma", type=int, default=0, help="γ while no fresh planner policy is known")
     p.add_argument("--policy-ttl-s", type=float, default=10.0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--drain-grace-s", type=float, default=WorkerServiceConfig.drain_grace_s,
+                   help="SIGTERM: let running requests finish for this long (compose's stop_grace_period must cover it)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine loop in a child process (default: on CUDA yes, on the CPU a thread)")
     add_common_args(p, env)
@@ -39,6 +41,7 @@ def parse_config(argv: list[str]) -> WorkerServiceConfig:
             draft_path=None if a.no_draft else a.draft, device=a.device, dtype=a.dtype,
             kv_budget_bytes=a.kv_budget_bytes, max_running=a.max_running, max_model_len=a.max_model_len, gamma_max=a.gamma_max,
             default_gamma=a.default_gamma, policy_ttl_s=a.policy_ttl_s, num_threads=a.threads, engine_process=a.engine_process,
+            drain_grace_s=a.drain_grace_s,
             metrics_port=a.metrics_port, log_level=a.log_level, **extra)
     except ValueError as exc:
         p.error(str(exc))

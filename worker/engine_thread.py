@@ -64,6 +64,7 @@ class Snapshot:
     draft_residency: str = "none"
     max_context_tokens: int = 0
     memory_bytes: tuple[tuple[str, int], ...] = ()  # (part, device bytes) from worker/memory.py
+    steps: int = 0  # engine steps taken: the heartbeat's proof of progress (a hung engine stops it)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class EngineThread:
             self._deliver(StepResult(snapshot=Snapshot()))  # wake the service so it notices
 
     def _loop(self, engine) -> None:
-        gamma = 0
+        gamma, steps = 0, 0
         last_snapshot = None
         while not self._stop.is_set():
             rejected: list[tuple[str, str]] = []
@@ -127,10 +128,11 @@ class EngineThread:
             outputs, stats = [], None
             if engine.has_unfinished():
                 outputs = engine.step()
+                steps += 1
                 stats = engine.last_stats
                 if stats is not None:
                     gamma = stats.gamma
-            snap = _snapshot(engine, gamma)
+            snap = _snapshot(engine, gamma, steps)
             if outputs or rejected or stats is not None or snap != last_snapshot:
                 self._deliver(StepResult(outputs=outputs, stats=stats, rejected=rejected, snapshot=snap))
                 last_snapshot = snap
@@ -169,11 +171,15 @@ class EngineThread:
             elif isinstance(cmd, SetResidency):
                 setter = getattr(engine, "set_draft_residency", None)
                 if setter is not None:
-                    setter(cmd.residency)
+                    try:
+                        setter(cmd.residency)
+                    except ValueError as exc:  # a directive it does not know must not kill the engine
+                        log.error("ignoring residency directive: %s", exc)
 
 
-def _snapshot(engine, gamma: int) -> Snapshot:
+def _snapshot(engine, gamma: int, steps: int = 0) -> Snapshot:
     return Snapshot(
+        steps=steps,
         running=engine.num_running, waiting=engine.num_waiting, kv_blocks_free=engine.kv_blocks_free,
         kv_blocks_total=engine.kv_blocks_total, gamma=gamma, draft_residency=str(engine.draft_residency),
         max_context_tokens=int(engine.max_context_tokens),

@@ -1,9 +1,13 @@
 """The worker's local copy of the planner's policy: γ per batch size without touching the network.
 
-``PolicyView`` holds the newest ``Policy`` it was given (older versions are ignored, so a late
-pub/sub message cannot roll it back) and answers ``gamma(batch, now)`` from it, or from the
-worker's own default when the policy is absent or older than its TTL (a dead planner never
-freezes γ at a stale value). ``follow_policy`` keeps it current: it loads keys.policy at start,
+``PolicyView`` holds the newest ``Policy`` it was given and answers ``gamma(batch, now)`` from
+it, or from the worker's own default when the policy is absent, older than its TTL (a dead
+planner never freezes γ at a stale value) or stamped in the future (a planner whose clock runs
+ahead would otherwise be trusted for longer than its TTL). Newest means a higher version of the
+same epoch, or a new epoch (a planner that restarted from a fresh state counts from 1 again);
+an older version, or a policy of an epoch already left, is ignored, so a late pub/sub message
+cannot roll it back. A residency it does not know is logged and ignored (the draft stays
+resident), never handed to the engine. ``follow_policy`` keeps it current: it loads keys.policy at start,
 then follows keys.policy_channel, reloading the key after every (re)subscription so nothing
 published during a Redis blip is missed.
 
@@ -24,6 +28,9 @@ from nightjar.messages import MessageError, Policy
 
 log = logging.getLogger("worker.policy")
 RESIDENT = "resident"
+RESIDENCIES = (RESIDENT, "offloaded")  # the directives worker.memory carries out
+FUTURE_SKEW_S = 1.0  # a stamp further ahead than this is a wrong clock, not NTP jitter
+LEFT_EPOCHS_KEPT = 16  # epochs remembered as left (a late message from one is ignored)
 
 
 class PolicyView:
@@ -39,10 +46,17 @@ class PolicyView:
         self.default_gamma = default_gamma
         self.ttl_s = ttl_s  # the worker's cap on staleness; the policy's own ttl_s also applies
         self._policy: Policy | None = None
+        self._left_epochs: list[str] = []
+        self._bogus_logged: tuple[str, int] | None = None
 
     @property
     def version(self) -> int:
         return self._policy.version if self._policy else -1
+
+    @property
+    def epoch_version(self) -> tuple[str, int] | None:
+        """What identifies the policy held (a new epoch may restart at a lower version)."""
+        return (self._policy.epoch, self._policy.version) if self._policy else None
 
     @property
     def policy(self) -> Policy | None:
@@ -50,8 +64,16 @@ class PolicyView:
 
     def update(self, policy: Policy) -> bool:
         """Adopt ``policy`` if it is newer than the one held; True when adopted."""
-        if self._policy is not None and policy.version <= self._policy.version:
-            return False
+        held = self._policy
+        if held is not None:
+            if policy.epoch == held.epoch:
+                if policy.version <= held.version:
+                    return False
+            elif policy.epoch in self._left_epochs:
+                return False
+            else:
+                log.info("planner epoch %r -> %r (version %d -> %d)", held.epoch, policy.epoch, held.version, policy.version)
+                self._left_epochs = [*self._left_epochs[-(LEFT_EPOCHS_KEPT - 1):], held.epoch]
         self._policy = policy
         return True
 
@@ -62,7 +84,8 @@ class PolicyView:
         ttl = p.ttl_s if self.ttl_s is None else min(p.ttl_s, self.ttl_s)
         # Age by the planner's stamp (hosts are NTP-synced): a policy loaded from the key long
         # after a planner died is stale on arrival, not trusted for another TTL.
-        return now_s - p.unix_ms / 1000.0 <= ttl
+        age_s = now_s - p.unix_ms / 1000.0
+        return -FUTURE_SKEW_S <= age_s <= ttl
 
     def gamma(self, batch_size: int, now_s: float) -> int:
         p = self._policy
@@ -75,7 +98,14 @@ class PolicyView:
         p = self._policy
         if p is None or not self.fresh(now_s):
             return RESIDENT  # a stale planner must not keep the draft away
-        return p.residency.get(self.worker_id, RESIDENT)
+        wanted = p.residency.get(self.worker_id, RESIDENT)
+        if wanted not in RESIDENCIES:
+            if self._bogus_logged != (p.epoch, p.version):  # once per policy, not every poll
+                self._bogus_logged = (p.epoch, p.version)
+                log.warning("policy v%d: ignoring residency %r for %s (not one of %s)", p.version, wanted,
+                            self.worker_id, RESIDENCIES)
+            return RESIDENT
+        return wanted
 
 
 def _decode(data: Any) -> Policy | None:

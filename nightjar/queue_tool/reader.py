@@ -93,11 +93,17 @@ class QueueReader:
                 row.update(request_id=job.request_id, age_s=self._age_s(job.enqueued_unix_ms or entry_ms(eid)),
                            prompt_tokens=len(job.prompt_token_ids), max_tokens=job.params.get("max_tokens"),
                            attempt=job.attempt,
-                           deadline_in_s=(_round((job.deadline_unix_ms - self.now_ms()) / 1000.0)
-                                          if job.deadline_unix_ms else None),
+                           deadline_in_s=self._deadline_in_s(job, eid),
                            error=None)
             rows.append(row)
         return {"waiting": total, "shown": len(rows), "requests": rows}
+
+    def _deadline_in_s(self, job: Job, eid) -> float | None:
+        if job.deadline_budget_ms > 0:  # counted from the entry's id (nightjar/deadline.py)
+            return _round((job.deadline_budget_ms - max(0, self.now_ms() - entry_ms(eid))) / 1000.0)
+        if job.deadline_unix_ms:
+            return _round((job.deadline_unix_ms - self.now_ms()) / 1000.0)
+        return None
 
     def _deliveries(self, stream: str, group: str, entries: list) -> dict[str, int]:
         """Delivery count per entry id (0 = never read by a consumer)."""
