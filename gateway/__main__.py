@@ -60,6 +60,7 @@ async def serve(cfg: GatewayConfig) -> int:
     from gateway.server import Gateway
     from nightjar import metrics
 
+    metrics.use("gateway", cfg.model_name)
     metrics.serve(cfg.metrics_port)
     gw = Gateway(cfg)
     await gw.start()

@@ -60,7 +60,7 @@ class Inference:
         entry = await self._table.admit(request_id)  # queue cap and drain state, before any tokenizing
         if on_admit is not None:
             on_admit(lambda: self._release(entry))
-        m.REQUESTS_WAITING.set(self._table.queued)
+        m.GATEWAY_QUEUED.set(self._table.queued)
         try:
             async with asyncio.timeout_at(deadline):
                 prompt_ids = await asyncio.get_running_loop().run_in_executor(
@@ -87,7 +87,7 @@ class Inference:
             if delta is not None:
                 if entry.first_token_s is None and delta.token_ids:
                     self._table.first_token(entry)
-                    m.REQUESTS_WAITING.set(self._table.queued)
+                    m.GATEWAY_QUEUED.set(self._table.queued)
                 yield delta
             if failure is not None:  # after the tokens that came before it
                 raise failure
@@ -105,4 +105,4 @@ class Inference:
             self._queue.forget_soon(entry.request_id)
         else:  # client gone, deadline, stop string seen first, or an error: free the worker's blocks
             self._queue.cancel_soon(entry.request_id, "cancelled")
-        m.REQUESTS_WAITING.set(self._table.queued)
+        m.GATEWAY_QUEUED.set(self._table.queued)

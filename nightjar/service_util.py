@@ -123,6 +123,7 @@ async def run_redis_loop(name: str, cfg, make_service: Callable[[aioredis.Redis]
 
     from nightjar import metrics
 
+    metrics.use(name)
     metrics.serve(cfg.metrics_port)
     redis = connect_redis(cfg.redis_url, block_margin_s=cfg.read_block_ms / 1000 + 5.0)
     stop = asyncio.Event()

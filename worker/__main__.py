@@ -48,6 +48,7 @@ async def serve(cfg: WorkerServiceConfig) -> int:
     from nightjar import metrics
     from worker.service import WorkerService
 
+    metrics.use("worker", cfg.model_name)
     metrics.serve(cfg.metrics_port)
     redis = connect_redis(cfg.redis_url, block_margin_s=6.0)
     stop = asyncio.Event()

@@ -282,6 +282,8 @@ class WorkerService:
             for result in results:
                 if result.stats is not None:
                     m.observe_step(result.stats)
+            snap = self.snapshot
+            m.observe_engine_state(snap.running, snap.waiting, snap.kv_blocks_free, snap.kv_blocks_total)
 
     async def _write_until_done(self, ops: "_Ops") -> None:
         """One round trip for a batch of steps, retried until Redis takes it: a dropped chunk
