@@ -34,6 +34,7 @@ class SchedulerConfig:
     dead_letter_maxlen: int = 10_000
     metrics_port: int = 0
     log_level: str = "INFO"
+    log_format: str = "text"  # nightjar.service_util.LOG_FORMATS
 
     def __post_init__(self) -> None:
         check_redis_url(self.redis_url)

@@ -39,7 +39,7 @@ def parse_config(argv: list[str]) -> WorkerServiceConfig:
             draft_path=None if a.no_draft else a.draft, device=a.device, dtype=a.dtype,
             kv_budget_bytes=a.kv_budget_bytes, max_running=a.max_running, max_model_len=a.max_model_len, gamma_max=a.gamma_max,
             default_gamma=a.default_gamma, policy_ttl_s=a.policy_ttl_s, num_threads=a.threads, engine_process=a.engine_process,
-            metrics_port=a.metrics_port, log_level=a.log_level, **extra)
+            metrics_port=a.metrics_port, log_level=a.log_level, log_format=a.log_format, **extra)
     except ValueError as exc:
         p.error(str(exc))
 
@@ -62,7 +62,7 @@ async def serve(cfg: WorkerServiceConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(list(sys.argv[1:] if argv is None else argv))
-    setup_logging(cfg.log_level, f"worker[{cfg.worker_id}]")
+    setup_logging(cfg.log_level, f"worker[{cfg.worker_id}]", cfg.log_format)
     return run_async(lambda: serve(cfg))
 
 

@@ -47,6 +47,7 @@ class WorkerServiceConfig:
     drain_grace_s: float = 30.0  # SIGTERM: running requests may finish for this long
     metrics_port: int = 0
     log_level: str = "INFO"
+    log_format: str = "text"  # nightjar.service_util.LOG_FORMATS
 
     def __post_init__(self) -> None:
         check_redis_url(self.redis_url)
