@@ -47,6 +47,10 @@ _SHORT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 _M = ("model_name",)  # vLLM's label: which served model a series belongs to
 
 # --------------------------------------------------------------------------- engine state (worker)
+# The endpoint answers before the models are loaded; compose's healthcheck waits for this instead
+# (``nightjar health --http URL --ready-metric nightjar_worker_ready``).
+WORKER_READY = Gauge("nightjar_worker_ready", "1 once the worker's models are loaded and it takes work, 0 before "
+                     "and while it stops.")
 REQUESTS_RUNNING = Gauge("nightjar_num_requests_running", "Sequences in the worker's running batch.", _M)
 REQUESTS_WAITING = Gauge("nightjar_num_requests_waiting",
                          "Sequences the worker's engine holds but has not yet scheduled (vLLM's meaning).", _M)
@@ -103,7 +107,7 @@ POLICY_VERSION = Gauge("nightjar_policy_version", "Version of the latest policy 
 ROLES: dict[str, tuple] = {
     "gateway": (GATEWAY_QUEUED, DISPATCHES, REQUEST_SUCCESS, PROMPT_TOKENS, GENERATION_TOKENS, TTFT, INTER_TOKEN,
                 E2E, QUEUE_TIME),
-    "worker": (REQUESTS_RUNNING, REQUESTS_WAITING, KV_CACHE_USAGE, PREEMPTIONS, SPEC_DRAFTS, SPEC_DRAFT_TOKENS,
+    "worker": (WORKER_READY, REQUESTS_RUNNING, REQUESTS_WAITING, KV_CACHE_USAGE, PREEMPTIONS, SPEC_DRAFTS, SPEC_DRAFT_TOKENS,
                SPEC_ACCEPTED_TOKENS, SPEC_ACCEPTED_PER_POS, GAMMA, DRAFT_RESIDENT, DRAFT_RESIDENCY, ACCEPTANCE_ALARM,
                CATCHUP, CATCHUP_TOKENS, STEP_TIME, DRAFT_MOVES, DRAFT_MOVE_SECONDS, DRAFT_MOVE_BYTES, POLICY_VERSION),
     "planner": (POLICY_VERSION,),

@@ -2,7 +2,9 @@
 
 Exit 0 when SERVING, 1 otherwise; the compose healthchecks run it. Services without a gRPC
 port (scheduler, planner, worker) are checked with ``--http URL`` instead: their Prometheus
-endpoint answering 200 means the process is up. ``--wait-s`` keeps
+endpoint answering 200 means the process is up; with ``--ready-metric NAME`` the scrape must also
+hold a sample NAME of value 1 or more (the worker's ``nightjar_worker_ready``, set once its models
+are loaded, since the endpoint itself answers from the start). ``--wait-s`` keeps
 asking until the service serves or the time is up (useful in scripts that start a stack).
 """
 
@@ -35,13 +37,37 @@ def check(target: str, service: str = "", timeout_s: float = 2.0) -> str:
         channel.close()
 
 
-def check_http(url: str, timeout_s: float = 2.0) -> str:
-    """"SERVING" when ``url`` answers 200, else "UNREACHABLE: <why>"."""
+def check_http(url: str, timeout_s: float = 2.0, ready_metric: str | None = None) -> str:
+    """"SERVING" when ``url`` answers 200 (and, given ``ready_metric``, its Prometheus text has
+    a sample of that name with a value of at least 1); "NOT_SERVING" when the metric is absent
+    or below 1; else "UNREACHABLE: <why>"."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return "SERVING" if resp.status == 200 else f"UNREACHABLE: HTTP {resp.status}"
+            if resp.status != 200:
+                return f"UNREACHABLE: HTTP {resp.status}"
+            body = resp.read().decode("utf-8", "replace") if ready_metric else ""
     except (urllib.error.URLError, OSError, ValueError) as exc:
         return f"UNREACHABLE: {exc}"
+    if ready_metric is None:
+        return "SERVING"
+    return "SERVING" if any(v >= 1 for v in _samples(body, ready_metric)) else "NOT_SERVING"
+
+
+def _samples(text: str, name: str) -> list[float]:
+    """Values of the samples called ``name`` in Prometheus text (no prometheus_client: the SDK
+    depends on grpcio and protobuf only)."""
+    values = []
+    for line in text.splitlines():
+        if not line.startswith(name) or line[len(name):len(name) + 1] not in ("{", " "):
+            continue
+        rest = line[len(name):]
+        if rest.startswith("{"):
+            rest = rest.rsplit("}", 1)[-1]
+        try:
+            values.append(float(rest.split()[0]))
+        except (ValueError, IndexError):
+            pass
+    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=config.env_target(), help=f"host:port (env {config.TARGET_ENV})")
     p.add_argument("--http", default=None, metavar="URL",
                    help="check this HTTP URL (a service's /metrics) instead of gRPC health")
+    p.add_argument("--ready-metric", default=None, metavar="NAME",
+                   help="with --http: also require a sample NAME >= 1 in the scrape (e.g. nightjar_worker_ready)")
     p.add_argument("--service", default="", help="health service name ('' = the whole server)")
     p.add_argument("--timeout-s", type=float, default=2.0, help="per-check timeout")
     p.add_argument("--wait-s", type=float, default=0.0, help="keep checking until SERVING for this long")
@@ -71,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     deadline = time.monotonic() + args.wait_s
     while True:
         if args.http is not None:
-            status = check_http(args.http, args.timeout_s)
+            status = check_http(args.http, args.timeout_s, args.ready_metric)
         else:
             status = check(args.target, args.service, args.timeout_s)
         if status == "SERVING" or time.monotonic() >= deadline:

@@ -135,6 +135,7 @@ class WorkerService:
         self.snapshot = self.engine.snapshot
         await self._ensure_group()
         log.info("worker %s ready (model %s, %d KV blocks)", self.cfg.worker_id, self.cfg.model_name, self.snapshot.kv_blocks_total)
+        m.WORKER_READY.set(1)
         tasks = [asyncio.create_task(c) for c in (
             self._inbox_loop(stop), self._output_loop(), self._cancel_listener(), self._cancel_poll(),
             self._heartbeat_loop(), self._policy_loop(stop))]
@@ -143,6 +144,7 @@ class WorkerService:
             if self.engine.error is None:
                 await self._drain()
         finally:
+            m.WORKER_READY.set(0)
             self._closing = True
             for t in tasks:
                 t.cancel()
