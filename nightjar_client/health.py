@@ -18,19 +18,53 @@ import urllib.request
 from collections.abc import Sequence
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from . import config
 from .channel import sync_channel
+
+
+# grpc.health.v1: the messages are one field each, so they are encoded here by hand rather than
+# making the SDK depend on grpcio-health-checking (it needs grpcio and protobuf only).
+_CHECK = "/grpc.health.v1.Health/Check"
+_STATUS_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _encode_request(service: str) -> bytes:
+    """HealthCheckRequest{string service = 1}."""
+    raw = service.encode()
+    return b"\x0a" + _varint(len(raw)) + raw if raw else b""
+
+
+def _decode_status(data: bytes) -> str:
+    """HealthCheckResponse{ServingStatus status = 1} (an absent field is 0, UNKNOWN)."""
+    from google.protobuf.internal.decoder import _DecodeVarint  # protobuf's own varint reader
+
+    status, i = 0, 0
+    while i < len(data):
+        key, i = _DecodeVarint(data, i)
+        if key & 7 != 0:  # only varint fields are expected in this message
+            raise ValueError(f"unexpected wire type in a health response: {key}")
+        value, i = _DecodeVarint(data, i)
+        if key >> 3 == 1:
+            status = value
+    return _STATUS_NAMES.get(status, f"UNKNOWN({status})")
 
 
 def check(target: str, service: str = "", timeout_s: float = 2.0) -> str:
     """The health status name ("SERVING", "NOT_SERVING", ...) or "UNREACHABLE: <code>"."""
     channel = sync_channel(target)
     try:
-        stub = health_pb2_grpc.HealthStub(channel)
-        resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        call = channel.unary_unary(_CHECK, request_serializer=_encode_request, response_deserializer=_decode_status)
+        return call(service, timeout=timeout_s)
     except grpc.RpcError as exc:
         return f"UNREACHABLE: {exc.code().name if exc.code() else 'UNKNOWN'}"
     finally:

@@ -58,3 +58,27 @@ def test_worker_ready_gauge_is_exported_by_the_worker_role():
 
     assert m.WORKER_READY in m.ROLES["worker"]
     assert all(m.WORKER_READY not in m.ROLES[r] for r in ("gateway", "planner", "scheduler"))
+
+
+def test_grpc_check_without_grpcio_health_checking():
+    """The SDK encodes grpc.health.v1 by hand; the real servicer must understand it, named
+    service included, and every status must come back by name."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    from grpc_health.v1 import health as servicer_mod
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    assert health._encode_request("svc") == health_pb2.HealthCheckRequest(service="svc").SerializeToString()
+    server = grpc.server(ThreadPoolExecutor(2))
+    servicer = servicer_mod.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        name = "nightjar.v1.InferenceService"
+        for status in ("SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"):
+            servicer.set(name, health_pb2.HealthCheckResponse.ServingStatus.Value(status))
+            assert health.check(f"127.0.0.1:{port}", service=name) == status
+    finally:
+        server.stop(None)
