@@ -200,6 +200,8 @@ class Stack:
                             ("--kv-budget-bytes", cfg.kv_cache_bytes), ("--gamma-max", cfg.gamma_max)):
             if value is not None:
                 out += [flag, str(value)]
+        if cfg.served_model_name:  # the same model_name label on the workers' metrics as the gateway's
+            out += ["--served-model-name", cfg.served_model_name]
         return out
 
     @property

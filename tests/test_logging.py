@@ -72,3 +72,4 @@ def test_every_service_takes_log_format(module):
     assert cfg.log_format == "json"
     with pytest.raises(SystemExit):
         main.parse_config(["--log-format", "xml"])
+

@@ -212,3 +212,10 @@ def test_a_scheduler_process_exports_process_metrics_only():
     names = {f.name for f in text_string_to_metric_families(out)}
     assert "process_resident_memory_bytes" in names
     assert not [n for n in names if n.startswith("nightjar_")]
+
+
+def test_worker_labels_its_metrics_with_the_gateways_model_name():
+    import worker.__main__ as wmain
+
+    assert wmain.parse_config([]).model_name == wmain.parse_config([]).target_path.name
+    assert wmain.parse_config(["--served-model-name", "org/name"]).model_name == "org/name"

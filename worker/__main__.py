@@ -30,6 +30,9 @@ def parse_config(argv: list[str]) -> WorkerServiceConfig:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine loop in a child process (default: on CUDA yes, on the CPU a thread)")
+    p.add_argument("--served-model-name", default="",
+                   help="the model's name in heartbeats and the metrics' model_name label, as the gateway's "
+                        "(default: the target folder's name)")
     add_common_args(p, env)
     a = p.parse_args(argv)
     extra = {"worker_id": a.worker_id} if a.worker_id else {}
@@ -39,7 +42,8 @@ def parse_config(argv: list[str]) -> WorkerServiceConfig:
             draft_path=None if a.no_draft else a.draft, device=a.device, dtype=a.dtype,
             kv_budget_bytes=a.kv_budget_bytes, max_running=a.max_running, max_model_len=a.max_model_len, gamma_max=a.gamma_max,
             default_gamma=a.default_gamma, policy_ttl_s=a.policy_ttl_s, num_threads=a.threads, engine_process=a.engine_process,
-            metrics_port=a.metrics_port, log_level=a.log_level, log_format=a.log_format, **extra)
+            metrics_port=a.metrics_port, log_level=a.log_level, log_format=a.log_format,
+            served_model_name=a.served_model_name, **extra)
     except ValueError as exc:
         p.error(str(exc))
 

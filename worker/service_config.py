@@ -48,6 +48,7 @@ class WorkerServiceConfig:
     metrics_port: int = 0
     log_level: str = "INFO"
     log_format: str = "text"  # nightjar.service_util.LOG_FORMATS
+    served_model_name: str = ""  # the gateway's name for the model; "" = the target folder's name
 
     def __post_init__(self) -> None:
         check_redis_url(self.redis_url)
@@ -74,7 +75,8 @@ class WorkerServiceConfig:
 
     @property
     def model_name(self) -> str:
-        return self.target_path.name
+        """What heartbeats and the metrics' model_name label say: the gateway's name for it."""
+        return self.served_model_name or self.target_path.name
 
     def engine_config(self):
         from worker.config import EngineConfig
