@@ -13,7 +13,7 @@ WORKDIR /src
 # Dependencies first so that a code change does not reinstall torch.
 COPY pyproject.toml README.md ./
 RUN mkdir -p nightjar && touch nightjar/__init__.py \
- && pip install --extra-index-url "$TORCH_INDEX" . \
+ && pip install --extra-index-url "$TORCH_INDEX" ".[serve]" \
  && pip uninstall -y nightjar
 COPY nightjar ./nightjar
 COPY nightjar_client ./nightjar_client

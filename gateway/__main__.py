@@ -50,7 +50,7 @@ def parse_config(argv: list[str]) -> GatewayConfig:
             direct_dispatch=not a.no_direct_dispatch, http_port=None if a.no_http else a.http_port,
             chat_template=a.chat_template, served_model_name=a.served_model_name, context_tokens=a.max_context_tokens,
             gamma_max=a.gamma_max, tokenizer_workers=a.tokenizer_workers,
-            metrics_port=a.metrics_port, log_level=a.log_level,
+            metrics_port=a.metrics_port, log_level=a.log_level, log_format=a.log_format,
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -60,6 +60,7 @@ async def serve(cfg: GatewayConfig) -> int:
     from gateway.server import Gateway
     from nightjar import metrics
 
+    metrics.use("gateway", cfg.model_name)
     metrics.serve(cfg.metrics_port)
     gw = Gateway(cfg)
     await gw.start()
@@ -72,7 +73,7 @@ async def serve(cfg: GatewayConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(list(sys.argv[1:] if argv is None else argv))
-    setup_logging(cfg.log_level, "gateway")
+    setup_logging(cfg.log_level, "gateway", cfg.log_format)
     return run_async(lambda: serve(cfg))
 
 

@@ -42,6 +42,7 @@ class GatewayConfig:
     context_tokens: int = 0  # the engine's real context (nightjar serve computes it); 0 = the checkpoints' own
     metrics_port: int = 0
     log_level: str = "INFO"
+    log_format: str = "text"  # nightjar.service_util.LOG_FORMATS
 
     def __post_init__(self) -> None:
         check_redis_url(self.redis_url)

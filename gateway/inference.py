@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +27,19 @@ from nightjar import metrics as m
 from nightjar.fast_tokenizer import FastTokenizer
 from nightjar.messages import Job
 from nightjar.service_util import now_ms
+
+
+request_log = logging.getLogger("gateway.requests")
+
+
+def log_finished(request_id: str, s: Summary) -> None:
+    """One INFO line per finished request; with --log-format json its fields are the keys."""
+    ttft = "-" if s.ttft_s is None else f"{s.ttft_s:.4f}"
+    request_log.info(
+        "request %s finished: %s, %d prompt + %d completion tokens, ttft %s s, e2e %.4f s",
+        request_id, s.finish_reason, s.prompt_tokens, s.completion_tokens, ttft, s.e2e_s,
+        extra={"request_id": request_id, "finish_reason": s.finish_reason, "prompt_tokens": s.prompt_tokens,
+               "completion_tokens": s.completion_tokens, "ttft_s": s.ttft_s, "e2e_s": round(s.e2e_s, 6)})
 
 
 class Inference:
@@ -60,7 +74,7 @@ class Inference:
         entry = await self._table.admit(request_id)  # queue cap and drain state, before any tokenizing
         if on_admit is not None:
             on_admit(lambda: self._release(entry))
-        m.REQUESTS_WAITING.set(self._table.queued)
+        m.GATEWAY_QUEUED.set(self._table.queued)
         try:
             async with asyncio.timeout_at(deadline):
                 prompt_ids = await asyncio.get_running_loop().run_in_executor(
@@ -81,7 +95,9 @@ class Inference:
             raise DeadlineExceeded(f"Deadline of {remaining_s:.3f}s passed before the request finished") from None
         finally:
             self._release(entry)
-        yield stream.summary()
+        summary = stream.summary()
+        log_finished(request_id, summary)
+        yield summary
 
     async def _follow(self, entry: InFlight, stream: Completion) -> AsyncIterator[Delta]:
         async for batch in self._queue.outputs(entry.request_id):
@@ -89,7 +105,7 @@ class Inference:
             if delta is not None:
                 if entry.first_token_s is None and delta.token_ids:
                     self._table.first_token(entry)
-                    m.REQUESTS_WAITING.set(self._table.queued)
+                    m.GATEWAY_QUEUED.set(self._table.queued)
                 yield delta
             if failure is not None:  # after the tokens that came before it
                 raise failure
@@ -107,4 +123,4 @@ class Inference:
             self._queue.forget_soon(entry.request_id)
         else:  # client gone, deadline, stop string seen first, or an error: free the worker's blocks
             self._queue.cancel_soon(entry.request_id, "cancelled")
-        m.REQUESTS_WAITING.set(self._table.queued)
+        m.GATEWAY_QUEUED.set(self._table.queued)

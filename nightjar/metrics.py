@@ -1,9 +1,14 @@
 """Prometheus metrics for every Nightjar service, named as vLLM users know them (``nightjar_``).
 
-One module-level ``REGISTRY`` per process: the gateway, scheduler, planner and worker record
-into it through the functions below, and ``serve(port)`` exposes it at ``/metrics``. When
-``nightjar serve`` runs several services in one process they share the endpoint, which is
-what a single-host stack wants.
+One module-level ``REGISTRY`` per process, exposed by ``serve(port)`` at ``/metrics``. The
+families are defined here, unregistered; each service calls ``use(role, model_name)`` once, which
+registers only that role's families (plus ``process_*``), so a scrape of the scheduler does not
+show a TTFT histogram that nothing will ever fill. Several roles in one process (tests) share
+the endpoint.
+
+``model_name`` labels the request and engine families, as in vLLM, so one Prometheus can tell
+apart stacks serving different models. docs/metrics.md lists every name and the relabel rule that
+maps them onto vLLM's dashboards.
 
 Label values come only from fixed sets (finish reasons, move directions, draft positions,
 residency states), so a misbehaving caller cannot blow up the series count.
@@ -16,7 +21,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest,
+                               start_http_server)
 
 if TYPE_CHECKING:  # keep `import nightjar.metrics` free of the msgpack codec at import time
     from nightjar.messages import Policy, StepStats
@@ -38,81 +44,118 @@ _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 1
 _SHORT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                   10.0, 30.0)
 
-# --------------------------------------------------------------------------- scheduler state
-REQUESTS_RUNNING = Gauge("nightjar_num_requests_running", "Requests in model execution batches.",
-                         registry=REGISTRY)
-REQUESTS_WAITING = Gauge("nightjar_num_requests_waiting", "Requests queued, not yet running.",
-                         registry=REGISTRY)
-KV_CACHE_USAGE = Gauge("nightjar_kv_cache_usage_perc", "Target KV-cache usage, 0 to 1 (1 = full).",
-                       registry=REGISTRY)
-PREEMPTIONS = Counter("nightjar_num_preemptions", "Sequences preempted (recomputed) for lack of KV blocks.",
-                      registry=REGISTRY)
+_M = ("model_name",)  # vLLM's label: which served model a series belongs to
+
+# --------------------------------------------------------------------------- engine state (worker)
+# The endpoint answers before the models are loaded; compose's healthcheck waits for this instead
+# (``nightjar health --http URL --ready-metric nightjar_worker_ready``).
+WORKER_READY = Gauge("nightjar_worker_ready", "1 once the worker's models are loaded and it takes work, 0 before "
+                     "and while it stops.")
+REQUESTS_RUNNING = Gauge("nightjar_num_requests_running", "Sequences in the worker's running batch.", _M)
+REQUESTS_WAITING = Gauge("nightjar_num_requests_waiting",
+                         "Sequences the worker's engine holds but has not yet scheduled (vLLM's meaning).", _M)
+KV_CACHE_USAGE = Gauge("nightjar_kv_cache_usage_perc", "Target KV-cache usage, 0 to 1 (1 = full).", _M)
+PREEMPTIONS = Counter("nightjar_num_preemptions", "Sequences preempted (recomputed) for lack of KV blocks.", _M)
 
 # --------------------------------------------------------------------------- requests (gateway)
+# Not vLLM's num_requests_waiting: admitted by the gateway (the --max-queued cap counts these)
+# and not yet streaming a first token, wherever they are (tokenizing, in Redis, in a worker).
+GATEWAY_QUEUED = Gauge("nightjar_gateway_requests_queued",
+                       "Requests admitted by the gateway that have not yet received a first token.")
 DISPATCH_PATHS = ("direct", "queued")
 DISPATCHES = Counter("nightjar_dispatches", "Jobs the gateway put straight into a leased worker's inbox (direct) "
-                     "or on the requests stream for the scheduler (queued).", ["path"], registry=REGISTRY)
+                     "or on the requests stream for the scheduler (queued).", ["path"])
 REQUEST_SUCCESS = Counter("nightjar_request_success", "Finished requests by finish reason.",
-                          ["finished_reason"], registry=REGISTRY)
-PROMPT_TOKENS = Counter("nightjar_prompt_tokens", "Prefill tokens of finished requests.", registry=REGISTRY)
-GENERATION_TOKENS = Counter("nightjar_generation_tokens", "Generated tokens of finished requests.",
-                            registry=REGISTRY)
-TTFT = Histogram("nightjar_time_to_first_token_seconds", "Time to first token.",
-                 buckets=_TTFT_BUCKETS, registry=REGISTRY)
-INTER_TOKEN = Histogram("nightjar_inter_token_latency_seconds", "Time between streamed tokens.",
-                        buckets=_ITL_BUCKETS, registry=REGISTRY)
-E2E = Histogram("nightjar_e2e_request_latency_seconds", "End-to-end request latency.",
-                buckets=_E2E_BUCKETS, registry=REGISTRY)
-QUEUE_TIME = Histogram("nightjar_request_queue_time_seconds", "Time from enqueue to the first scheduled step.",
-                       buckets=_E2E_BUCKETS, registry=REGISTRY)
+                          _M + ("finished_reason",))
+PROMPT_TOKENS = Counter("nightjar_prompt_tokens", "Prefill tokens of finished requests.", _M)
+GENERATION_TOKENS = Counter("nightjar_generation_tokens", "Generated tokens of finished requests.", _M)
+TTFT = Histogram("nightjar_time_to_first_token_seconds", "Time to first token.", _M, buckets=_TTFT_BUCKETS)
+INTER_TOKEN = Histogram("nightjar_inter_token_latency_seconds", "Time between streamed tokens.", _M,
+                        buckets=_ITL_BUCKETS)
+E2E = Histogram("nightjar_e2e_request_latency_seconds", "End-to-end request latency.", _M, buckets=_E2E_BUCKETS)
+QUEUE_TIME = Histogram("nightjar_request_queue_time_seconds", "Time from enqueue to the first scheduled step.", _M,
+                       buckets=_E2E_BUCKETS)
 
 # --------------------------------------------------------------------------- speculation (worker)
-SPEC_DRAFTS = Counter("nightjar_spec_decode_num_drafts", "Sequence-steps that ran the draft (one per sequence).",
-                      registry=REGISTRY)
-SPEC_DRAFT_TOKENS = Counter("nightjar_spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=REGISTRY)
-SPEC_ACCEPTED_TOKENS = Counter("nightjar_spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.",
-                               registry=REGISTRY)
+SPEC_DRAFTS = Counter("nightjar_spec_decode_num_drafts", "Sequence-steps that ran the draft (one per sequence).", _M)
+SPEC_DRAFT_TOKENS = Counter("nightjar_spec_decode_num_draft_tokens", "Draft tokens proposed.", _M)
+SPEC_ACCEPTED_TOKENS = Counter("nightjar_spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.", _M)
 SPEC_ACCEPTED_PER_POS = Counter("nightjar_spec_decode_num_accepted_tokens_per_pos",
-                                "Draft tokens accepted at each draft position (0 = first).",
-                                ["position"], registry=REGISTRY)
-GAMMA = Gauge("nightjar_gamma", "Speculation depth in force at the last step (0 = plain decoding).",
-              registry=REGISTRY)
-DRAFT_RESIDENT = Gauge("nightjar_draft_resident", "1 when the draft's weights are on the device.",
-                       registry=REGISTRY)
+                                "Draft tokens accepted at each draft position (0 = first).", _M + ("position",))
+GAMMA = Gauge("nightjar_gamma", "Speculation depth in force at the last step (0 = plain decoding).", _M)
+DRAFT_RESIDENT = Gauge("nightjar_draft_resident", "1 when the draft's weights are on the device.", _M)
 DRAFT_RESIDENCY = Gauge("nightjar_draft_residency", "1 for the draft residency state in force, 0 for the others.",
-                        ["state"], registry=REGISTRY)
+                        _M + ("state",))
 ACCEPTANCE_ALARM = Gauge("nightjar_spec_decode_acceptance_alarm",
-                         "1 while acceptance has collapsed after having been healthy (draft broken?).",
-                         registry=REGISTRY)
-CATCHUP = Histogram("nightjar_catchup_seconds", "Draft KV rebuild (switching cost) after gamma went 0 -> >0.",
-                    buckets=_SHORT_BUCKETS, registry=REGISTRY)
-CATCHUP_TOKENS = Counter("nightjar_catchup_tokens", "Tokens re-prefilled into the draft's KV on catch-up.",
-                         registry=REGISTRY)
-STEP_TIME = Histogram("nightjar_step_seconds", "Engine step time (draft + verify + bookkeeping).",
-                      buckets=_SHORT_BUCKETS, registry=REGISTRY)
+                         "1 while acceptance has collapsed after having been healthy (draft broken?).", _M)
+CATCHUP = Histogram("nightjar_catchup_seconds", "Draft KV rebuild (switching cost) after gamma went 0 -> >0.", _M,
+                    buckets=_SHORT_BUCKETS)
+CATCHUP_TOKENS = Counter("nightjar_catchup_tokens", "Tokens re-prefilled into the draft's KV on catch-up.", _M)
+STEP_TIME = Histogram("nightjar_step_seconds", "Engine step time (draft + verify + bookkeeping).", _M,
+                      buckets=_SHORT_BUCKETS)
 
-# --------------------------------------------------------------------------- elastic memory
-DRAFT_MOVES = Counter("nightjar_draft_moves", "Draft offloads and reloads.", ["direction"], registry=REGISTRY)
+# --------------------------------------------------------------------------- elastic memory (worker)
+DRAFT_MOVES = Counter("nightjar_draft_moves", "Draft offloads and reloads.", _M + ("direction",))
 DRAFT_MOVE_SECONDS = Histogram("nightjar_draft_move_seconds", "Duration of a draft offload or reload.",
-                               ["direction"], buckets=_SHORT_BUCKETS, registry=REGISTRY)
-DRAFT_MOVE_BYTES = Counter("nightjar_draft_move_bytes", "Bytes of draft weights moved.", ["direction"],
-                           registry=REGISTRY)
+                               _M + ("direction",), buckets=_SHORT_BUCKETS)
+DRAFT_MOVE_BYTES = Counter("nightjar_draft_move_bytes", "Bytes of draft weights moved.", _M + ("direction",))
 
-# --------------------------------------------------------------------------- policy (planner)
-POLICY_VERSION = Gauge("nightjar_policy_version", "Version of the latest policy published or applied.",
-                       registry=REGISTRY)
+# --------------------------------------------------------------------------- policy (planner, worker)
+POLICY_VERSION = Gauge("nightjar_policy_version", "Version of the latest policy published (planner) or applied "
+                       "(worker).")
 
-# Pre-create the fixed label sets so a scrape shows zeros instead of missing series.
-for _r in FINISH_REASONS:
-    REQUEST_SUCCESS.labels(finished_reason=_r)
-for _d in MOVE_DIRECTIONS:
-    DRAFT_MOVES.labels(direction=_d)
-    DRAFT_MOVE_BYTES.labels(direction=_d)
-    DRAFT_MOVE_SECONDS.labels(direction=_d)
-for _s in RESIDENCY_STATES:
-    DRAFT_RESIDENCY.labels(state=_s)
-for _p in DISPATCH_PATHS:
-    DISPATCHES.labels(path=_p)
+ROLES: dict[str, tuple] = {
+    "gateway": (GATEWAY_QUEUED, DISPATCHES, REQUEST_SUCCESS, PROMPT_TOKENS, GENERATION_TOKENS, TTFT, INTER_TOKEN,
+                E2E, QUEUE_TIME),
+    "worker": (WORKER_READY, REQUESTS_RUNNING, REQUESTS_WAITING, KV_CACHE_USAGE, PREEMPTIONS, SPEC_DRAFTS, SPEC_DRAFT_TOKENS,
+               SPEC_ACCEPTED_TOKENS, SPEC_ACCEPTED_PER_POS, GAMMA, DRAFT_RESIDENT, DRAFT_RESIDENCY, ACCEPTANCE_ALARM,
+               CATCHUP, CATCHUP_TOKENS, STEP_TIME, DRAFT_MOVES, DRAFT_MOVE_SECONDS, DRAFT_MOVE_BYTES, POLICY_VERSION),
+    "planner": (POLICY_VERSION,),
+    "scheduler": (),  # its state is in Redis (`nightjar queue`); it exports process_* only
+}
+
+_use_lock = threading.Lock()
+_registered: set[int] = set()  # id() of the collectors already in REGISTRY
+_process = ProcessCollector(registry=None)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+_model_name = ""
+
+
+def use(role: str, model_name: str = "") -> None:
+    """Register ``role``'s families and the process collector in REGISTRY (idempotent).
+
+    ``model_name`` is the label value of the request and engine series; the first non-empty
+    name a process gives is kept, since one process serves one model.
+    """
+    global _model_name
+    if role not in ROLES:
+        raise ValueError(f"metrics role must be one of {sorted(ROLES)}, got {role!r}")
+    with _use_lock:
+        if model_name and not _model_name:
+            _model_name = model_name
+        for collector in (_process, *ROLES[role]):
+            if id(collector) not in _registered:
+                REGISTRY.register(collector)
+                _registered.add(id(collector))
+        # Pre-create the fixed label sets so a scrape shows zeros instead of missing series.
+        mn = _model_name
+        if role == "gateway":
+            for r in FINISH_REASONS:
+                REQUEST_SUCCESS.labels(model_name=mn, finished_reason=r)
+            for p in DISPATCH_PATHS:
+                DISPATCHES.labels(path=p)
+        if role == "worker":
+            for d in MOVE_DIRECTIONS:
+                DRAFT_MOVES.labels(model_name=mn, direction=d)
+                DRAFT_MOVE_BYTES.labels(model_name=mn, direction=d)
+                DRAFT_MOVE_SECONDS.labels(model_name=mn, direction=d)
+            for st in RESIDENCY_STATES:
+                DRAFT_RESIDENCY.labels(model_name=mn, state=st)
+
+
+def model_name() -> str:
+    """The ``model_name`` label value of this process's series ("" before ``use`` names one)."""
+    return _model_name
+
 
 _server_lock = threading.Lock()
 _server_port: int | None = None
@@ -159,18 +202,18 @@ def _finish_label(reason: str) -> str:
 def observe_request_done(finish_reason: str, prompt_tokens: int, completion_tokens: int,
                          ttft_s: float | None, e2e_s: float, queue_s: float | None) -> None:
     """Record one finished request (gateway side); None for a time that was never reached."""
-    REQUEST_SUCCESS.labels(finished_reason=_finish_label(finish_reason)).inc()
-    PROMPT_TOKENS.inc(max(0, prompt_tokens))
-    GENERATION_TOKENS.inc(max(0, completion_tokens))
+    REQUEST_SUCCESS.labels(model_name=_model_name, finished_reason=_finish_label(finish_reason)).inc()
+    PROMPT_TOKENS.labels(model_name=_model_name).inc(max(0, prompt_tokens))
+    GENERATION_TOKENS.labels(model_name=_model_name).inc(max(0, completion_tokens))
     if ttft_s is not None:
-        TTFT.observe(ttft_s)
-    E2E.observe(e2e_s)
+        TTFT.labels(model_name=_model_name).observe(ttft_s)
+    E2E.labels(model_name=_model_name).observe(e2e_s)
     if queue_s is not None:
-        QUEUE_TIME.observe(queue_s)
+        QUEUE_TIME.labels(model_name=_model_name).observe(queue_s)
 
 
 def observe_inter_token(seconds: float) -> None:
-    INTER_TOKEN.observe(seconds)
+    INTER_TOKEN.labels(model_name=_model_name).observe(seconds)
 
 
 def _position_label(i: int) -> str:
@@ -178,51 +221,60 @@ def _position_label(i: int) -> str:
 
 
 def observe_step(stats: StepStats) -> None:
-    """Record one engine step (worker side)."""
-    REQUESTS_RUNNING.set(stats.batch_size)
-    REQUESTS_WAITING.set(stats.waiting)
-    total_blocks = stats.kv_blocks_used + stats.kv_blocks_free
-    if total_blocks > 0:
-        KV_CACHE_USAGE.set(stats.kv_blocks_used / total_blocks)
+    """Record one engine step (worker side). The running/waiting/KV gauges come from the
+    engine's snapshot instead (``observe_engine_state``): they must also fall when it goes idle."""
     if stats.preempted:
-        PREEMPTIONS.inc(stats.preempted)
-    GAMMA.set(stats.gamma)
+        PREEMPTIONS.labels(model_name=_model_name).inc(stats.preempted)
+    GAMMA.labels(model_name=_model_name).set(stats.gamma)
     if stats.gamma > 0 and stats.batch_size > 0:
         # vLLM counts one draft per sequence per step, and gamma tokens per draft.
-        SPEC_DRAFTS.inc(stats.batch_size)
-        SPEC_DRAFT_TOKENS.inc(stats.batch_size * stats.gamma)
+        SPEC_DRAFTS.labels(model_name=_model_name).inc(stats.batch_size)
+        SPEC_DRAFT_TOKENS.labels(model_name=_model_name).inc(stats.batch_size * stats.gamma)
     accepted = 0
     for i, count in enumerate(stats.accepted_per_position):
         if count:
-            SPEC_ACCEPTED_PER_POS.labels(position=_position_label(i)).inc(count)
+            SPEC_ACCEPTED_PER_POS.labels(model_name=_model_name, position=_position_label(i)).inc(count)
             accepted += count
     if accepted:
-        SPEC_ACCEPTED_TOKENS.inc(accepted)
+        SPEC_ACCEPTED_TOKENS.labels(model_name=_model_name).inc(accepted)
     set_residency(stats.draft_residency)
-    ACCEPTANCE_ALARM.set(1 if stats.acceptance_alarm else 0)
+    ACCEPTANCE_ALARM.labels(model_name=_model_name).set(1 if stats.acceptance_alarm else 0)
     if stats.catchup_tokens > 0:
-        CATCHUP.observe(stats.catchup_ms / 1000.0)
-        CATCHUP_TOKENS.inc(stats.catchup_tokens)
+        CATCHUP.labels(model_name=_model_name).observe(stats.catchup_ms / 1000.0)
+        CATCHUP_TOKENS.labels(model_name=_model_name).inc(stats.catchup_tokens)
     if stats.step_ms > 0:
-        STEP_TIME.observe(stats.step_ms / 1000.0)
+        STEP_TIME.labels(model_name=_model_name).observe(stats.step_ms / 1000.0)
+
+
+def observe_engine_state(running: int, waiting: int, kv_blocks_free: int, kv_blocks_total: int) -> None:
+    """Set the engine-state gauges from the worker's latest snapshot.
+
+    A step's stats describe the batch it ran, which includes the sequences that finished in
+    it; after the last one the engine is idle and takes no more steps, so without this the
+    running gauge would keep the last batch's size for as long as the worker stays idle.
+    """
+    REQUESTS_RUNNING.labels(model_name=_model_name).set(running)
+    REQUESTS_WAITING.labels(model_name=_model_name).set(waiting)
+    if kv_blocks_total > 0:
+        KV_CACHE_USAGE.labels(model_name=_model_name).set((kv_blocks_total - kv_blocks_free) / kv_blocks_total)
 
 
 def set_residency(state: str) -> None:
     """Set the draft residency gauges ("resident", "offloading", "offloaded", "reloading", "none")."""
     if state not in RESIDENCY_STATES:
         raise ValueError(f"draft residency must be one of {RESIDENCY_STATES}, got {state!r}")
-    DRAFT_RESIDENT.set(1 if state == "resident" else 0)
+    DRAFT_RESIDENT.labels(model_name=_model_name).set(1 if state == "resident" else 0)
     for s in RESIDENCY_STATES:
-        DRAFT_RESIDENCY.labels(state=s).set(1 if s == state else 0)
+        DRAFT_RESIDENCY.labels(model_name=_model_name, state=s).set(1 if s == state else 0)
 
 
 def observe_draft_move(direction: str, seconds: float, nbytes: int) -> None:
     """Record one finished draft offload or reload (worker side)."""
     if direction not in MOVE_DIRECTIONS:
         raise ValueError(f"draft move direction must be one of {MOVE_DIRECTIONS}, got {direction!r}")
-    DRAFT_MOVES.labels(direction=direction).inc()
-    DRAFT_MOVE_SECONDS.labels(direction=direction).observe(seconds)
-    DRAFT_MOVE_BYTES.labels(direction=direction).inc(max(0, nbytes))
+    DRAFT_MOVES.labels(model_name=_model_name, direction=direction).inc()
+    DRAFT_MOVE_SECONDS.labels(model_name=_model_name, direction=direction).observe(seconds)
+    DRAFT_MOVE_BYTES.labels(model_name=_model_name, direction=direction).inc(max(0, nbytes))
 
 
 def observe_policy(policy: Policy) -> None:

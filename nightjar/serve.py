@@ -63,6 +63,8 @@ def add_stack_args(p: argparse.ArgumentParser, *, port: int, http_port: int | No
                    help="niceness added to every service but the workers (default 0: equal priority; see docs/pipeline.md)")
     p.add_argument("--log-dir", type=Path, default=None, help="write each service's log here (default: a temp folder)")
     p.add_argument("--log-level", default=env.log_level)
+    p.add_argument("--log-format", choices=("text", "json"), default=env.log_format,
+                   help="every service's log lines: text, or json (env NIGHTJAR_LOG_FORMAT)")
     p.add_argument("--metrics-port", type=int, default=env.metrics_port,
                    help="Prometheus /metrics of the gateway on this port, the scheduler on +1, the planner on +2, "
                         "worker i on +3+i (0 = off; env NIGHTJAR_METRICS_PORT)")
@@ -118,6 +120,7 @@ def stack_config(a: argparse.Namespace, p: argparse.ArgumentParser, **overrides)
     fields = dict(port=a.port, host=a.host, workers=a.workers, redis_url=a.redis_url, key_prefix=a.key_prefix,
                   policy=a.policy, planner=not a.no_planner, target_path=target, draft_path=draft,
                   worker_threads=a.worker_threads, io_nice=a.io_nice, log_dir=a.log_dir, log_level=a.log_level,
+                  log_format=a.log_format,
                   metrics_port=a.metrics_port, worker_args=("--device", a.device, "--dtype", a.dtype),
                   http_port=None if http is None or a.no_http else http, api_key=a.api_key,
                   context_tokens=served.context_tokens, max_num_seqs=a.max_num_seqs,

@@ -7,6 +7,7 @@ turns it plus its argv into one frozen config.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -29,13 +30,14 @@ class EnvDefaults:
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "nj"
     log_level: str = "INFO"
+    log_format: str = "text"  # "text" for people, "json" (one object a line) for log collectors
     metrics_port: int = 0  # 0 = no /metrics endpoint
     auth_token: str = ""  # gateway bearer token; empty = auth off
 
 
 def env_defaults(environ: Mapping[str, str] | None = None) -> EnvDefaults:
-    """Read NIGHTJAR_REDIS_URL, NIGHTJAR_KEY_PREFIX, NIGHTJAR_LOG_LEVEL, NIGHTJAR_METRICS_PORT,
-    NIGHTJAR_AUTH_TOKEN. Command-line flags override these."""
+    """Read NIGHTJAR_REDIS_URL, NIGHTJAR_KEY_PREFIX, NIGHTJAR_LOG_LEVEL, NIGHTJAR_LOG_FORMAT,
+    NIGHTJAR_METRICS_PORT, NIGHTJAR_AUTH_TOKEN. Command-line flags override these."""
     env = os.environ if environ is None else environ
     base = EnvDefaults()
     port = env.get(ENV_PREFIX + "METRICS_PORT", str(base.metrics_port))
@@ -47,6 +49,7 @@ def env_defaults(environ: Mapping[str, str] | None = None) -> EnvDefaults:
         redis_url=env.get(ENV_PREFIX + "REDIS_URL", base.redis_url),
         key_prefix=env.get(ENV_PREFIX + "KEY_PREFIX", base.key_prefix),
         log_level=env.get(ENV_PREFIX + "LOG_LEVEL", base.log_level),
+        log_format=env.get(ENV_PREFIX + "LOG_FORMAT", base.log_format),
         metrics_port=metrics_port,
         auth_token=env.get(ENV_PREFIX + "AUTH_TOKEN", base.auth_token),
     )
@@ -115,12 +118,37 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def setup_logging(level: str, service: str) -> logging.Logger:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+LOG_FORMATS = ("text", "json")
+# Attributes every LogRecord has; anything else on a record came from ``extra=`` and is a field.
+_RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts (unix seconds), level, service, logger, msg, then the
+    record's ``extra`` fields, and ``exc`` with the traceback when there is one."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {"ts": round(record.created, 6), "level": record.levelname, "service": self.service,
+               "logger": record.name, "msg": record.getMessage()}
+        for key, value in vars(record).items():
+            if key not in _RECORD_ATTRS and key not in doc:
+                doc[key] = value
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str, ensure_ascii=False)
+
+
+def setup_logging(level: str, service: str, fmt: str = "text") -> logging.Logger:
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter(service) if fmt == "json"
+                         else logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
     return logging.getLogger(service)
 
 
@@ -145,6 +173,8 @@ def add_common_args(parser, env: EnvDefaults) -> None:
     parser.add_argument("--redis-url", default=env.redis_url, help="redis:// or rediss:// (TLS) URL, password inside (env NIGHTJAR_REDIS_URL)")
     parser.add_argument("--key-prefix", default=env.key_prefix, help="prefix of every Redis key (env NIGHTJAR_KEY_PREFIX)")
     parser.add_argument("--log-level", default=env.log_level, help="DEBUG, INFO, WARNING (env NIGHTJAR_LOG_LEVEL)")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=env.log_format,
+                        help="text, or json for one object a line (env NIGHTJAR_LOG_FORMAT)")
     parser.add_argument("--metrics-port", type=int, default=env.metrics_port, help="Prometheus /metrics port, 0 = off (env NIGHTJAR_METRICS_PORT)")
 
 
@@ -159,6 +189,7 @@ async def run_redis_loop(name: str, cfg, make_service: Callable[[aioredis.Redis]
     from nightjar import metrics
 
     log = logging.getLogger(name)
+    metrics.use(name)
     metrics.serve(cfg.metrics_port)
     redis = connect_redis(cfg.redis_url, block_margin_s=cfg.read_block_ms / 1000 + 5.0)
     stop = asyncio.Event()

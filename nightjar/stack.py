@@ -42,6 +42,7 @@ class StackConfig:
     planner_args: tuple[str, ...] = ()
     log_dir: Path | None = None  # None = a temporary folder (logs shown when a service fails)
     log_level: str = "INFO"
+    log_format: str = "text"  # every service's --log-format
     ready_timeout_s: float = 180.0
     # Niceness added to every service but the workers (and to the embedded Redis), so that on
     # one machine the kernel does not time-slice the engine thread with the I/O services. Off
@@ -199,6 +200,8 @@ class Stack:
                             ("--kv-budget-bytes", cfg.kv_cache_bytes), ("--gamma-max", cfg.gamma_max)):
             if value is not None:
                 out += [flag, str(value)]
+        if cfg.served_model_name:  # the same model_name label on the workers' metrics as the gateway's
+            out += ["--served-model-name", cfg.served_model_name]
         return out
 
     @property
@@ -232,7 +235,8 @@ class Stack:
     def _spawn(self, name: str, args: list[str]) -> Service:
         n = sum(s.name == name for s in self.services)
         log_path = self.log_dir / f"{name}-{n}.log"
-        full = [*args, "--redis-url", self.redis_url, "--key-prefix", self.cfg.key_prefix, "--log-level", self.cfg.log_level]
+        full = [*args, "--redis-url", self.redis_url, "--key-prefix", self.cfg.key_prefix, "--log-level", self.cfg.log_level,
+                "--log-format", self.cfg.log_format]
         metrics_port = metrics_port_of(self.cfg.metrics_port, name, n) if self.cfg.metrics_port else 0
         if metrics_port:
             full += ["--metrics-port", str(metrics_port)]

@@ -1,7 +1,9 @@
 """Nightjar's Python SDK: sync ``Client`` and asyncio ``AsyncClient`` for the gRPC gateway.
 
-See docs/client.md for runnable examples.
+See docs/client.md for runnable examples. Installs alone: ``pip install ./nightjar_client``.
 """
+
+__version__ = "0.1.0"
 
 from .aio import AsyncClient
 from .client import Client
@@ -13,7 +15,7 @@ from .records import Completion, Delta, ModelInfo, Timings, Usage
 from .retry import NO_RETRY, RetryPolicy
 
 __all__ = [
-    "Client", "AsyncClient", "Completion", "Delta", "ModelInfo", "Usage", "Timings", "RetryPolicy", "NO_RETRY",
+    "__version__", "Client", "AsyncClient", "Completion", "Delta", "ModelInfo", "Usage", "Timings", "RetryPolicy", "NO_RETRY",
     "NightjarError", "InvalidArgument", "ResourceExhausted", "Unavailable", "DeadlineExceeded", "Unauthenticated",
     "PermissionDenied", "Cancelled", "NotFound", "FailedPrecondition", "Aborted", "OutOfRange", "Unimplemented",
     "Internal", "DataLoss", "Unknown",

@@ -16,8 +16,8 @@ from typing import Any
 
 import grpc
 
-from nightjar.v1 import inference_pb2 as pb
-from nightjar.v1 import inference_pb2_grpc as pb_grpc
+from ._v1 import inference_pb2 as pb
+from ._v1 import inference_pb2_grpc as pb_grpc
 
 from . import config
 from .channel import auth_metadata, sync_channel

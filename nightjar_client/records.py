@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from nightjar.v1 import inference_pb2 as pb
+from ._v1 import inference_pb2 as pb
 
 from .errors import InvalidArgument
 

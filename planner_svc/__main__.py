@@ -30,7 +30,7 @@ def parse_config(argv: list[str]) -> PlannerConfig:
         buckets = tuple(int(x) for x in a.buckets.split(",") if x.strip())
         return PlannerConfig(redis_url=a.redis_url, key_prefix=a.key_prefix, policy=a.policy, gamma_max=a.gamma_max,
                              ttl_s=a.ttl_s, seed=a.seed, buckets=buckets, metrics_port=a.metrics_port,
-                             log_level=a.log_level, prior_surface=a.prior_surface, **extra)
+                             log_level=a.log_level, log_format=a.log_format, prior_surface=a.prior_surface, **extra)
     except ValueError as exc:
         p.error(str(exc))
 
@@ -43,7 +43,7 @@ async def serve(cfg: PlannerConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(list(sys.argv[1:] if argv is None else argv))
-    setup_logging(cfg.log_level, "planner")
+    setup_logging(cfg.log_level, "planner", cfg.log_format)
     return run_async(lambda: serve(cfg))
 
 

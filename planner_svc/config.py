@@ -33,6 +33,7 @@ class PlannerConfig:
     save_interval_s: float = 5.0  # state snapshot to Redis at least this often while learning
     metrics_port: int = 0
     log_level: str = "INFO"
+    log_format: str = "text"  # nightjar.service_util.LOG_FORMATS
     # An offline cost surface (scripts/bench_speculation.py's JSON) to warm-start a model-based
     # policy from; live steps override it. None: learn everything online.
     prior_surface: str | None = None

@@ -24,7 +24,7 @@ def parse_config(argv: list[str]) -> SchedulerConfig:
     try:
         return SchedulerConfig(redis_url=a.redis_url, key_prefix=a.key_prefix, max_deliveries=a.max_deliveries,
                                max_attempts=a.max_attempts, claim_idle_ms=a.claim_idle_ms, stall_s=a.stall_s,
-                               metrics_port=a.metrics_port, log_level=a.log_level, **extra)
+                               metrics_port=a.metrics_port, log_level=a.log_level, log_format=a.log_format, **extra)
     except ValueError as exc:
         p.error(str(exc))
 
@@ -37,7 +37,7 @@ async def serve(cfg: SchedulerConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(list(sys.argv[1:] if argv is None else argv))
-    setup_logging(cfg.log_level, "scheduler")
+    setup_logging(cfg.log_level, "scheduler", cfg.log_format)
     return run_async(lambda: serve(cfg))
 
 

@@ -37,6 +37,7 @@ class SchedulerConfig:
     stall_s: float = 10.0
     metrics_port: int = 0
     log_level: str = "INFO"
+    log_format: str = "text"  # nightjar.service_util.LOG_FORMATS
 
     def __post_init__(self) -> None:
         check_redis_url(self.redis_url)

@@ -7,7 +7,7 @@ Starts its own stack (one worker), measures capacity with a short closed loop, t
 open-loop Poisson load of ``factor`` x capacity for ``seconds``. Reports: offered / admitted /
 refused (RESOURCE_EXHAUSTED, with the retry-after hint) / failed requests, whether every
 admitted request completed, the largest queue seen (gateway metric
-``nightjar_num_requests_waiting`` against ``--max-queued``), p50/p99 latency of admitted
+``nightjar_gateway_requests_queued`` against ``--max-queued``), p50/p99 latency of admitted
 requests, and each service's memory before, at the peak and after. tests/test_overload.py runs
 the same code for ~15 s.
 """
@@ -62,9 +62,9 @@ class OverloadReport:
 def gateway_waiting(metrics_port: int) -> int:
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as resp:
         for line in resp.read().decode().splitlines():
-            if line.startswith("nightjar_num_requests_waiting"):
+            if line.startswith("nightjar_gateway_requests_queued"):
                 return int(float(line.rsplit(" ", 1)[1]))
-    raise RuntimeError("the gateway does not export nightjar_num_requests_waiting")
+    raise RuntimeError("the gateway does not export nightjar_gateway_requests_queued")
 
 
 def rss_mb(stack: Stack) -> dict[str, float]:

@@ -464,3 +464,41 @@ def test_headline_runs_every_peer_on_every_goal_workload_three_times(tmp_path, m
     kinds = {w.spec.split(":")[0].split("@")[0]: w.duration_s for w in cfg.workloads}
     assert {"burst", "oscillation", "ramp", "azure_conv", "azure_code", "poisson"} <= set(kinds)
     assert all(w.duration_s >= 120 for w in cfg.workloads if w.kind == "dynamic")
+
+
+def test_comparison_chart_shows_small_differences_with_repeats_and_a_clear_legend(tmp_path):
+    """docs/bench/comparison.png's code: ±10% must be readable, repeats give whiskers, and the
+    legend must not sit on any bar."""
+    import matplotlib.pyplot as plt
+    from matplotlib.container import ErrorbarContainer
+
+    runs = [_run("fixed:3", "burst", 100, 2.0, 0.2), _run("fixed:3", "burst", 100, 2.0, 0.2),
+            _run("nightjar", "burst", 104, 1.9, 0.2), _run("nightjar", "burst", 112, 1.7, 0.2),
+            _run("off", "burst", 95, 2.1, 0.2), _run("off", "burst", 93, 2.2, 0.2),
+            _run("fixed:3", "poisson:1.5", 50, 5.0, 1.0), _run("nightjar", "poisson:1.5", 54, 4.6, 1.0),
+            _run("off", "poisson:1.5", 47, 5.3, 1.0)]
+    fig = plots.comparison_figure(runs, "fixed:3", "test")
+    try:
+        fig.canvas.draw()
+        top, bottom = fig.axes
+        lo, hi = top.get_ylim()
+        assert lo > 0.5 and hi - lo < 0.5, (lo, hi)  # fitted to the data: a 10% difference is visible
+        assert lo < 0.93 and hi > 1.12  # ... and every value (whiskers included) is inside
+        bars = {(round(p.get_x() + p.get_width() / 2, 3)): p for p in top.patches}
+        nightjar_burst = bars[round(0 + 1 * 0.8 / 3, 3)]
+        assert nightjar_burst.get_y() == 1.0 and abs(nightjar_burst.get_height() - 0.08) < 1e-9  # mean of 1.04, 1.12
+        whiskers = [c for c in top.containers if isinstance(c, ErrorbarContainer)]
+        assert whiskers, "repeats must show as error bars"
+        segs = [seg for c in whiskers for lc in c.lines[2] for seg in lc.get_segments()]
+        assert any(abs(s[0][1] - 1.04) < 1e-9 and abs(s[1][1] - 1.12) < 1e-9 for s in segs)
+        # the legend is the figure's, outside both panels
+        (legend,) = fig.legends
+        renderer = fig.canvas.get_renderer()
+        box = legend.get_window_extent(renderer)
+        for artist in (*fig.axes, fig._suptitle, *(ax.xaxis for ax in fig.axes)):
+            assert not box.overlaps(artist.get_window_extent(renderer)), artist
+        assert [t.get_text() for t in legend.get_texts()] == ["fixed:3", "nightjar", "off"]
+    finally:
+        plt.close(fig)
+    path = plots.comparison_bars(runs, tmp_path / "cmp.png", "fixed:3", "test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

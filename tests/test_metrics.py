@@ -30,6 +30,17 @@ def _v(samples, name, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def roles() -> None:
+    for role in ("gateway", "worker", "planner", "scheduler"):
+        m.use(role, "tiny-test")
+
+
+def M(**labels) -> dict[str, str]:
+    """``labels`` plus this process's model_name label."""
+    return {"model_name": m.model_name(), **labels}
+
+
 @pytest.fixture(scope="module")
 def metrics_port() -> int:
     if m.served_port() is None:  # another test in this process may already serve the one endpoint
@@ -49,8 +60,10 @@ def _step(**kw) -> StepStats:
 def test_every_metric_is_prefixed(metrics_port):
     names = {f.name for f in text_string_to_metric_families(_scrape_text(metrics_port))}
     assert names, "empty scrape"
-    assert all(n.startswith("nightjar_") for n in names), sorted(n for n in names if not n.startswith("nightjar_"))
-    for expected in ("nightjar_num_requests_running", "nightjar_num_requests_waiting", "nightjar_kv_cache_usage_perc",
+    assert all(n.startswith(("nightjar_", "process_")) for n in names), sorted(
+        n for n in names if not n.startswith(("nightjar_", "process_")))
+    for expected in ("nightjar_num_requests_running", "nightjar_num_requests_waiting", "nightjar_gateway_requests_queued",
+                     "process_cpu_seconds", "process_resident_memory_bytes", "nightjar_kv_cache_usage_perc",
                      "nightjar_time_to_first_token_seconds", "nightjar_inter_token_latency_seconds",
                      "nightjar_e2e_request_latency_seconds", "nightjar_request_queue_time_seconds",
                      "nightjar_prompt_tokens", "nightjar_generation_tokens", "nightjar_request_success",
@@ -63,7 +76,7 @@ def test_every_metric_is_prefixed(metrics_port):
 
 def test_request_done_over_http(metrics_port):
     before = _samples(_scrape_text(metrics_port))
-    m.REQUESTS_WAITING.set(5)
+    m.GATEWAY_QUEUED.set(5)
     m.observe_request_done("stop", prompt_tokens=7, completion_tokens=11, ttft_s=0.03, e2e_s=0.4, queue_s=0.002)
     m.observe_request_done("length", prompt_tokens=3, completion_tokens=16, ttft_s=None, e2e_s=1.2, queue_s=None)
     m.observe_request_done("weird-reason", prompt_tokens=1, completion_tokens=0, ttft_s=None, e2e_s=0.01, queue_s=None)
@@ -71,13 +84,14 @@ def test_request_done_over_http(metrics_port):
     after = _samples(_scrape_text(metrics_port))
 
     def d(name, **labels):
-        return _v(after, name, **labels) - _v(before, name, **labels)
+        return _v(after, name, **M(**labels)) - _v(before, name, **M(**labels))
 
-    assert _v(after, "nightjar_num_requests_waiting") == 5
+    assert _v(after, "nightjar_gateway_requests_queued") == 5
     assert d("nightjar_request_success_total", finished_reason="stop") == 1
     assert d("nightjar_request_success_total", finished_reason="length") == 1
     assert d("nightjar_request_success_total", finished_reason="other") == 1  # unknown reasons do not add series
-    assert ("nightjar_request_success_total", (("finished_reason", "weird-reason"),)) not in after
+    assert not any(dict(k[1]).get("finished_reason") == "weird-reason" for k in after)
+    assert all(dict(k[1]).get("model_name") == "tiny-test" for k in after if k[0].startswith("nightjar_e2e"))
     assert d("nightjar_prompt_tokens_total") == 11
     assert d("nightjar_generation_tokens_total") == 27
     assert d("nightjar_time_to_first_token_seconds_count") == 1
@@ -91,43 +105,79 @@ def test_request_done_over_http(metrics_port):
     assert d("nightjar_inter_token_latency_seconds_bucket", le="0.0025") == 0
 
 
+def _s(name: str, **labels) -> float | None:
+    return m.sample(name, M(**labels))
+
+
+def test_engine_state_follows_the_snapshot_to_idle():
+    """The running gauge comes from the engine's snapshot, so it falls to 0 when the engine goes
+    idle; a step's stats (which count the sequences that finished in it) do not set it."""
+    m.observe_engine_state(running=3, waiting=2, kv_blocks_free=70, kv_blocks_total=100)
+    assert _s("nightjar_num_requests_running") == 3
+    assert _s("nightjar_num_requests_waiting") == 2
+    assert _s("nightjar_kv_cache_usage_perc") == pytest.approx(0.3)
+    m.observe_step(_step(batch_size=1, waiting=0))  # the step in which the last sequence finished
+    assert _s("nightjar_num_requests_running") == 3
+    m.observe_engine_state(running=0, waiting=0, kv_blocks_free=100, kv_blocks_total=100)
+    assert _s("nightjar_num_requests_running") == 0
+    assert _s("nightjar_kv_cache_usage_perc") == 0
+
+
+def test_use_registers_only_the_roles_families():
+    from prometheus_client import CollectorRegistry
+
+    with pytest.raises(ValueError, match="role"):
+        m.use("frontend")
+    for role, families in m.ROLES.items():
+        reg = CollectorRegistry()
+        for c in families:
+            reg.register(c)
+        names = {f.name for f in reg.collect()}
+        if role == "scheduler":
+            assert not names
+        if role == "planner":
+            assert names == {"nightjar_policy_version"}
+        if role == "gateway":
+            assert "nightjar_time_to_first_token_seconds" in names and "nightjar_gamma" not in names
+        if role == "worker":
+            assert "nightjar_gamma" in names and "nightjar_time_to_first_token_seconds" not in names
+    m.use("gateway")  # again: idempotent, no duplicate-registration error
+
+
 def test_step_and_moves_in_registry():
-    before = m.sample("nightjar_spec_decode_num_accepted_tokens_total") or 0.0
-    pos1 = m.sample("nightjar_spec_decode_num_accepted_tokens_per_pos_total", {"position": "1"}) or 0.0
-    drafts = m.sample("nightjar_spec_decode_num_drafts_total") or 0.0
-    draft_tokens = m.sample("nightjar_spec_decode_num_draft_tokens_total") or 0.0
-    preempt = m.sample("nightjar_num_preemptions_total") or 0.0
-    catchups = m.sample("nightjar_catchup_seconds_count") or 0.0
+    before = _s("nightjar_spec_decode_num_accepted_tokens_total") or 0.0
+    pos1 = _s("nightjar_spec_decode_num_accepted_tokens_per_pos_total", position="1") or 0.0
+    drafts = _s("nightjar_spec_decode_num_drafts_total") or 0.0
+    draft_tokens = _s("nightjar_spec_decode_num_draft_tokens_total") or 0.0
+    preempt = _s("nightjar_num_preemptions_total") or 0.0
+    catchups = _s("nightjar_catchup_seconds_count") or 0.0
 
     m.observe_step(_step())
-    assert m.sample("nightjar_num_requests_running") == 4
-    assert m.sample("nightjar_num_requests_waiting") == 2
-    assert m.sample("nightjar_kv_cache_usage_perc") == pytest.approx(0.3)
-    assert m.sample("nightjar_gamma") == 3
-    assert m.sample("nightjar_draft_resident") == 1
-    assert m.sample("nightjar_draft_residency", {"state": "resident"}) == 1
-    assert m.sample("nightjar_draft_residency", {"state": "offloaded"}) == 0
-    assert m.sample("nightjar_spec_decode_num_accepted_tokens_total") - before == 8
-    assert m.sample("nightjar_spec_decode_num_accepted_tokens_per_pos_total", {"position": "1"}) - pos1 == 3
-    assert m.sample("nightjar_spec_decode_num_drafts_total") - drafts == 4
-    assert m.sample("nightjar_spec_decode_num_draft_tokens_total") - draft_tokens == 12
-    assert m.sample("nightjar_num_preemptions_total") - preempt == 1
-    assert m.sample("nightjar_catchup_seconds_count") - catchups == 1
+    assert _s("nightjar_gamma") == 3
+    assert _s("nightjar_draft_resident") == 1
+    assert _s("nightjar_draft_residency", state="resident") == 1
+    assert _s("nightjar_draft_residency", state="offloaded") == 0
+    assert _s("nightjar_spec_decode_num_accepted_tokens_total") - before == 8
+    assert _s("nightjar_spec_decode_num_accepted_tokens_per_pos_total", position="1") - pos1 == 3
+    assert _s("nightjar_spec_decode_num_drafts_total") - drafts == 4
+    assert _s("nightjar_spec_decode_num_draft_tokens_total") - draft_tokens == 12
+    assert _s("nightjar_num_preemptions_total") - preempt == 1
+    assert _s("nightjar_catchup_seconds_count") - catchups == 1
 
     # gamma 0, draft offloaded: no drafts counted, residency flips, no catch-up observed
     m.observe_step(_step(gamma=0, accepted_per_position=(), draft_residency="offloaded", catchup_tokens=0,
                          acceptance_alarm=True))
-    assert m.sample("nightjar_gamma") == 0
-    assert m.sample("nightjar_draft_resident") == 0
-    assert m.sample("nightjar_draft_residency", {"state": "offloaded"}) == 1
-    assert m.sample("nightjar_spec_decode_acceptance_alarm") == 1
-    assert m.sample("nightjar_spec_decode_num_drafts_total") - drafts == 4
-    assert m.sample("nightjar_catchup_seconds_count") - catchups == 1
+    assert _s("nightjar_gamma") == 0
+    assert _s("nightjar_draft_resident") == 0
+    assert _s("nightjar_draft_residency", state="offloaded") == 1
+    assert _s("nightjar_spec_decode_acceptance_alarm") == 1
+    assert _s("nightjar_spec_decode_num_drafts_total") - drafts == 4
+    assert _s("nightjar_catchup_seconds_count") - catchups == 1
 
-    moves = m.sample("nightjar_draft_moves_total", {"direction": "offload"})
+    moves = _s("nightjar_draft_moves_total", direction="offload")
     m.observe_draft_move("offload", 0.05, 1 << 20)
-    assert m.sample("nightjar_draft_moves_total", {"direction": "offload"}) - moves == 1
-    assert m.sample("nightjar_draft_move_seconds_count", {"direction": "offload"}) >= 1
+    assert _s("nightjar_draft_moves_total", direction="offload") - moves == 1
+    assert _s("nightjar_draft_move_seconds_count", direction="offload") >= 1
     with pytest.raises(ValueError, match="offload"):
         m.observe_draft_move("sideways", 0.1, 0)
 
@@ -150,3 +200,22 @@ def test_serve_refuses_bad_port_and_second_port(metrics_port):
         m.serve(70000)
     with pytest.raises(RuntimeError, match="one endpoint"):
         m.serve(free_port())
+
+
+def test_a_scheduler_process_exports_process_metrics_only():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "from nightjar import metrics as m; m.use('scheduler'); "
+                          "import sys; sys.stdout.write(m.render().decode())"],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    names = {f.name for f in text_string_to_metric_families(out)}
+    assert "process_resident_memory_bytes" in names
+    assert not [n for n in names if n.startswith("nightjar_")]
+
+
+def test_worker_labels_its_metrics_with_the_gateways_model_name():
+    import worker.__main__ as wmain
+
+    assert wmain.parse_config([]).model_name == wmain.parse_config([]).target_path.name
+    assert wmain.parse_config(["--served-model-name", "org/name"]).model_name == "org/name"

@@ -337,3 +337,38 @@ def test_model_shows_what_the_planner_learned(r, keys, q):
     r.set(keys.planner_state, encode_state(PlannerConfig(policy="fixed:2", gamma_max=3), 1,
                                            make_policy("fixed:2", gamma_max=3)))
     assert "no step-cost model" in q("model")[1]["error"]
+
+
+def _render80(renderable) -> list[str]:
+    from rich.console import Console
+
+    out = io.StringIO()
+    Console(file=out, width=80, color_system=None, soft_wrap=False).print(renderable)
+    return out.getvalue().splitlines()
+
+
+def test_tables_fit_80_columns_and_never_cut_numbers():
+    from nightjar.queue_tool import render
+
+    doc = {"alive": 2, "total": 2, "workers": [
+        dict(worker_id="gpu-host-0123456789-worker-with-a-long-id", alive=True, heartbeat_age_s=0.42, running=64,
+             waiting=123, batch_size=64, gamma=4, draft_residency="offloaded", kv_blocks_used=54321,
+             kv_blocks_free=10922, assigned=187, inbox=12, policy_version=12345, model="tiny-target", error=None),
+        dict(worker_id="w2", alive=False, heartbeat_age_s=None, running=0, waiting=0, batch_size=None, gamma=0,
+             draft_residency="resident", kv_blocks_used=0, kv_blocks_free=99999, assigned=0, inbox=0,
+             policy_version=None, model="tiny-target", error="heartbeat: undecodable entry of 57 bytes " * 2)]}
+    lines = _render80(render.workers_table(doc))
+    assert max(len(line) for line in lines) <= 80, "\n".join(lines)
+    text = "\n".join(lines)
+    for number in ("10922", "54321", "99999", "12345", "187"):
+        assert number in text, text  # whole, on one line
+    assert "pol v" in text and "offloaded" in text
+    assert render.CUT in text  # the long worker id is cut, and says so
+    assert "gpu-host" in text
+
+    inflight = {"total": 1, "requests": [dict(worker="gpu-host-0123456789", request_id="f" * 32, age_s=1234.5,
+                                              attempt=1, prompt_tokens=32000, generated=16384, max_tokens=32768,
+                                              progress=0.5, finish_reason=None, error=None)]}
+    lines = _render80(render.inflight_table(inflight))
+    assert max(len(line) for line in lines) <= 80, "\n".join(lines)
+    assert all(n in "\n".join(lines) for n in ("32000", "16384", "32768", "1234"))

@@ -81,6 +81,8 @@ def test_hub_id_resolves_from_the_local_cache(tmp_path, monkeypatch):
     assert cfg.target_path == repo / "snapshots" / commit and cfg.served_model_name == "acme/tiny-target"
     stack = Stack(cfg)
     assert stack._gateway_limits()[-2:] == ["--served-model-name", "acme/tiny-target"]
+    # the workers label their metrics with the same name (the snapshot folder's is a commit hash)
+    assert stack._worker_limits()[-2:] == ["--served-model-name", "acme/tiny-target"]
 
 
 def test_hub_id_missing_from_the_cache_is_one_line(tmp_path, monkeypatch, capsys):

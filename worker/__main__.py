@@ -32,6 +32,9 @@ def parse_config(argv: list[str]) -> WorkerServiceConfig:
                    help="SIGTERM: let running requests finish for this long (compose's stop_grace_period must cover it)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine loop in a child process (default: on CUDA yes, on the CPU a thread)")
+    p.add_argument("--served-model-name", default="",
+                   help="the model's name in heartbeats and the metrics' model_name label, as the gateway's "
+                        "(default: the target folder's name)")
     add_common_args(p, env)
     a = p.parse_args(argv)
     extra = {"worker_id": a.worker_id} if a.worker_id else {}
@@ -42,7 +45,8 @@ def parse_config(argv: list[str]) -> WorkerServiceConfig:
             kv_budget_bytes=a.kv_budget_bytes, max_running=a.max_running, max_model_len=a.max_model_len, gamma_max=a.gamma_max,
             default_gamma=a.default_gamma, policy_ttl_s=a.policy_ttl_s, num_threads=a.threads, engine_process=a.engine_process,
             drain_grace_s=a.drain_grace_s,
-            metrics_port=a.metrics_port, log_level=a.log_level, **extra)
+            metrics_port=a.metrics_port, log_level=a.log_level, log_format=a.log_format,
+            served_model_name=a.served_model_name, **extra)
     except ValueError as exc:
         p.error(str(exc))
 
@@ -51,6 +55,7 @@ async def serve(cfg: WorkerServiceConfig) -> int:
     from nightjar import metrics
     from worker.service import WorkerService
 
+    metrics.use("worker", cfg.model_name)
     metrics.serve(cfg.metrics_port)
     redis = connect_redis(cfg.redis_url, block_margin_s=6.0)
     stop = asyncio.Event()
@@ -64,7 +69,7 @@ async def serve(cfg: WorkerServiceConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(list(sys.argv[1:] if argv is None else argv))
-    setup_logging(cfg.log_level, f"worker[{cfg.worker_id}]")
+    setup_logging(cfg.log_level, f"worker[{cfg.worker_id}]", cfg.log_format)
     return run_async(lambda: serve(cfg))
 
 

@@ -93,6 +93,7 @@ class WorkerService:
             self.engine.stop()
             return
         log.info("worker %s ready (model %s, %d KV blocks)", self.cfg.worker_id, self.cfg.model_name, self.snapshot.kv_blocks_total)
+        m.WORKER_READY.set(1)
         tasks = [asyncio.create_task(c, name=c.__name__) for c in (
             self._inbox_loop(stop), self._output_loop(), self._cancel_listener(), self._cancel_poll(),
             self._heartbeat_loop(), self._policy_loop(stop))]
@@ -102,6 +103,7 @@ class WorkerService:
             if self.engine.error is None:
                 await self._drain()
         finally:
+            m.WORKER_READY.set(0)
             self._closing = True
             for t in tasks:
                 t.cancel()
@@ -351,6 +353,8 @@ class WorkerService:
             for result in results:
                 if result.stats is not None:
                     m.observe_step(result.stats)
+            snap = self.snapshot
+            m.observe_engine_state(snap.running, snap.waiting, snap.kv_blocks_free, snap.kv_blocks_total)
 
     async def _write_until_done(self, ops: "Ops") -> None:
         """One round trip for a batch of steps, retried until Redis takes it: a dropped chunk

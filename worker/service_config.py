@@ -47,6 +47,8 @@ class WorkerServiceConfig:
     drain_grace_s: float = 30.0  # SIGTERM: running requests may finish for this long
     metrics_port: int = 0
     log_level: str = "INFO"
+    log_format: str = "text"  # nightjar.service_util.LOG_FORMATS
+    served_model_name: str = ""  # the gateway's name for the model; "" = the target folder's name
 
     def __post_init__(self) -> None:
         check_redis_url(self.redis_url)
@@ -73,7 +75,8 @@ class WorkerServiceConfig:
 
     @property
     def model_name(self) -> str:
-        return self.target_path.name
+        """What heartbeats and the metrics' model_name label say: the gateway's name for it."""
+        return self.served_model_name or self.target_path.name
 
     def engine_config(self):
         from worker.config import EngineConfig

@@ -228,7 +228,7 @@ def render(payload: dict, wall_s: float | None = None) -> str:
 
 
 def _plots(payload: dict, out: Path, plots_dir: Path | None) -> None:
-    from nightjar.bench import plots, report
+    from nightjar.bench import plots
 
     cap = payload["calibration"]["capacity_rps"]
     made = []
@@ -240,7 +240,8 @@ def _plots(payload: dict, out: Path, plots_dir: Path | None) -> None:
         made.append((policy, plots.timeline(samples, out / "plots" / name, f"{policy} — {workload}", cap)))
     policies = [r["policy"] for r in payload["runs"]]
     base = next((p for p in policies if p.startswith("fixed")), policies[0] if policies else None)
-    bars = plots.comparison_bars(report.average_runs(payload["runs"]), out / "plots" / "comparison.png", base, "Policies on the real stack") if base else None
+    # Raw runs: the chart averages repeats itself and shows their spread.
+    bars = plots.comparison_bars(payload["runs"], out / "plots" / "comparison.png", base, "Policies on the real stack") if base else None
     if plots_dir is not None:
         plots_dir.mkdir(parents=True, exist_ok=True)
         for policy, path in made:

@@ -83,29 +83,81 @@ def timeline(samples: list[dict], path: Path, title: str, capacity_rps: float | 
     return path
 
 
-def comparison_bars(runs: list[dict], path: Path, baseline: str, title: str) -> Path:
-    """Grouped bars per workload: throughput and mean e2e latency of every policy ÷ ``baseline``'s."""
+def _ratios(runs: list[dict], baseline: str, key: str) -> dict[tuple[str, str], list[float]]:
+    """Every repeat's value ÷ the mean of ``baseline``'s repeats on the same workload."""
+    def value(r: dict) -> float | None:
+        return r["tokens_per_s"] if key == "tokens_per_s" else r["e2e_s"]["mean"]
+
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in runs:
+        v = value(r)
+        if v is not None:
+            groups.setdefault((r["policy"], r["workload"]), []).append(v)
+    out = {}
+    for (pol, wl), vals in groups.items():
+        base = groups.get((baseline, wl))
+        if base and sum(base) > 0:
+            ref = sum(base) / len(base)
+            out[(pol, wl)] = [v / ref for v in vals]
+    return out
+
+
+def comparison_figure(runs: list[dict], baseline: str, title: str):
+    """The figure of ``comparison_bars``: grouped bars per workload, every policy ÷ ``baseline``.
+
+    ``runs`` are the raw runs, repeats included: a bar is the mean ratio over repeats and its
+    whisker the repeats' min–max. Bars start at 1 (the baseline) and the y-axis is fitted to the
+    data, not to 0, so a ±10% difference is a tenth of the axis rather than a sliver on a bar of
+    height 1. The legend sits under the panels, never on a bar or the title.
+    """
     workloads = list(dict.fromkeys(r["workload"] for r in runs))
     policies = list(dict.fromkeys(r["policy"] for r in runs))
-    by = {(r["policy"], r["workload"]): r for r in runs}
-    fig, axes = plt.subplots(2, 1, figsize=(max(7, 1.6 * len(workloads) + 3), 7), constrained_layout=True)
+    repeats = max((len(v) for v in _ratios(runs, baseline, "tokens_per_s").values()), default=1)
+    fig, axes = plt.subplots(2, 1, figsize=(max(7, 1.6 * len(workloads) + 3), 7.5), layout="constrained")
     width = 0.8 / max(len(policies), 1)
-    for ax, key, label in ((axes[0], "tokens_per_s", "throughput ÷ baseline (higher is better)"),
-                           (axes[1], "e2e_mean", "mean e2e latency ÷ baseline (lower is better)")):
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, key, label in ((axes[0], "tokens_per_s", "throughput ÷ baseline\n(higher is better)"),
+                           (axes[1], "e2e_mean", "mean e2e latency ÷ baseline\n(lower is better)")):
+        ratios = _ratios(runs, baseline, key)
+        lo, hi = 1.0, 1.0
         for i, pol in enumerate(policies):
-            vals = []
-            for wl in workloads:
-                run, base = by.get((pol, wl)), by.get((baseline, wl))
-                a = b = None
-                if run and base:
-                    a, b = (run["tokens_per_s"], base["tokens_per_s"]) if key == "tokens_per_s" else (run["e2e_s"]["mean"], base["e2e_s"]["mean"])
-                vals.append(a / b if a is not None and b else 0.0)
-            ax.bar([j + i * width for j in range(len(workloads))], vals, width, label=pol)
+            xs, means, err_lo, err_hi = [], [], [], []
+            for j, wl in enumerate(workloads):
+                vals = ratios.get((pol, wl))
+                if not vals:
+                    continue
+                mean = sum(vals) / len(vals)
+                xs.append(j + i * width)
+                means.append(mean)
+                err_lo.append(mean - min(vals))
+                err_hi.append(max(vals) - mean)
+                lo, hi = min(lo, min(vals)), max(hi, max(vals))
+            color = colors[i % len(colors)]
+            ax.bar(xs, [m - 1.0 for m in means], width, bottom=1.0, color=color, label=pol)
+            if any(err_lo) or any(err_hi):
+                ax.errorbar(xs, means, yerr=[err_lo, err_hi], fmt="none", ecolor="black", elinewidth=1, capsize=3)
+            for x, m, e in zip(xs, means, err_hi):
+                ax.annotate(f"{(m - 1) * 100:+.0f}%", (x, m + e if m >= 1 else m - e), ha="center",
+                            va="bottom" if m >= 1 else "top", fontsize=7, xytext=(0, 2 if m >= 1 else -2),
+                            textcoords="offset points")
+        pad = max(0.05, 0.15 * (hi - lo))  # room for the labels; ±5% at least, so 1.0 is never an edge
+        ax.set_ylim(lo - pad, hi + pad)
         ax.axhline(1.0, color="grey", lw=1)
         ax.set_xticks([j + width * (len(policies) - 1) / 2 for j in range(len(workloads))], workloads)
         ax.set_ylabel(label, fontsize=8)
-    axes[0].legend(fontsize=7, ncol=min(4, len(policies)), loc="lower right")
-    fig.suptitle(f"{title} (baseline: {baseline})")
+        ax.grid(axis="y", color="0.9", lw=0.8)
+        ax.set_axisbelow(True)
+    whiskers = f"; whiskers: min–max of {repeats} repeats" if repeats > 1 else ""
+    fig.suptitle(f"{title} (baseline: {baseline}{whiskers})", fontsize=10)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(6, max(1, len(policies))), fontsize=8,
+               frameon=False)
+    return fig
+
+
+def comparison_bars(runs: list[dict], path: Path, baseline: str, title: str) -> Path:
+    """``comparison_figure`` written to ``path`` (PNG)."""
+    fig = comparison_figure(runs, baseline, title)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -20,21 +20,44 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+CUT = "…"  # what a value cut to fit the table ends with
+WIDTH = 80  # every table fits a classic terminal; `--json` has the values uncut
+
+
+def _is_number(v: Any) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
 def _table(title: str, columns: list[tuple[str, str]], rows: list[dict[str, Any]], caption: str = "") -> Table:
-    t = Table(title=title, caption=caption or None, expand=False, box=box.SIMPLE_HEAD, title_justify="left")
-    # An all-empty error column only costs width: show it when some row has an error.
-    columns = [(h, k) for h, k in columns if k != "error" or any(row.get("error") for row in rows)]
+    # Errors are sentences: they go under the table, whole and wrapped, after the row's first cell.
+    errors = [f"{_fmt(row.get(columns[0][1]))}: {row['error']}" for row in rows if row.get("error")]
+    columns = [(h, k) for h, k in columns if k != "error"]
+    caption = "\n".join(x for x in (caption, *errors) if x)
+    # No padding: the box's blank separator leaves one space between columns, so a dozen fit.
+    t = Table(title=title, caption=caption or None, expand=False, box=box.SIMPLE_HEAD, title_justify="left",
+              caption_justify="left", caption_style="red" if errors else None, padding=0, show_edge=False,
+              pad_edge=False)
+    widest = {k: max([len(h)] + [len(_fmt(row.get(k))) for row in rows]) for h, k in columns}
+    numeric = {k for _, k in columns if all(_is_number(row.get(k)) for row in rows)}
+    # Numbers keep their full width: folding 10922 over two lines read as "1092". Text columns
+    # (ids, states) share what is left of WIDTH, each at least 6 wide, and end in "…" where
+    # they are cut.
+    text = [k for _, k in columns if k not in numeric]
+    floor = {k: widest[k] if widest[k] <= 10 else 6 for k in text}  # short states ("offloaded") stay whole
+    left = WIDTH - sum(widest[k] for k in numeric) - (len(columns) - 1) - sum(floor.values())
+    extra = sum(widest[k] - floor[k] for k in text) or 1
+    width = {k: floor[k] + max(0, left) * (widest[k] - floor[k]) // extra for k in text}
     for header, key in columns:
-        # Every column keeps room for 6 characters (so none collapses to nothing); longer values fold.
-        widest = max([len(header)] + [len(_fmt(row.get(key))) for row in rows])
-        t.add_column(header, overflow="fold", min_width=min(6, widest))
+        if key in numeric:
+            t.add_column(header, justify="right", no_wrap=True, min_width=widest[key])
+        elif any(" " in _fmt(row.get(key)) for row in rows):
+            # Lists and sentences wrap between words, so each number in them stays whole.
+            t.add_column(header, overflow="fold", min_width=min(6, widest[key]))
+        else:
+            t.add_column(header, overflow="ellipsis", no_wrap=True, max_width=min(widest[key], width[key]),
+                         min_width=floor[key])
     for row in rows:
-        cells = []
-        for _, key in columns:
-            v = row.get(key)
-            cell = Text(_fmt(v), style="red") if key == "error" and v else Text(_fmt(v))
-            cells.append(cell)
-        t.add_row(*cells)
+        t.add_row(*(Text(_fmt(row.get(key))) for _, key in columns))
     return t
 
 
@@ -58,10 +81,11 @@ def inflight_table(doc: dict[str, Any]) -> Table:
 def workers_table(doc: dict[str, Any]) -> Table:
     models = sorted({w["model"] for w in doc["workers"] if w.get("model")})
     return _table(f"workers: {doc['alive']} alive of {doc['total']}" + (f" (model {', '.join(models)})" if models else ""), [
-        ("worker", "worker_id"), ("alive", "alive"), ("hb age s", "heartbeat_age_s"), ("running", "running"),
-        ("waiting", "waiting"), ("batch", "batch_size"), ("γ", "gamma"), ("draft", "draft_residency"),
-        ("kv used", "kv_blocks_used"), ("kv free", "kv_blocks_free"), ("assigned", "assigned"),
-        ("inbox", "inbox"), ("policy v", "policy_version"), ("error", "error")], doc["workers"])
+        ("worker", "worker_id"), ("up", "alive"), ("hb s", "heartbeat_age_s"), ("run", "running"),
+        ("wait", "waiting"), ("batch", "batch_size"), ("γ", "gamma"), ("draft", "draft_residency"),
+        ("kv used", "kv_blocks_used"), ("kv free", "kv_blocks_free"), ("asgn", "assigned"),
+        ("inbox", "inbox"), ("pol v", "policy_version"), ("error", "error")], doc["workers"],
+        caption="up: heartbeat alive; hb s: its age; asgn: jobs assigned; pol v: policy version")
 
 
 def _absent(doc: dict[str, Any], what: str, empty: str) -> Text:
