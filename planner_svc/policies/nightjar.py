@@ -25,7 +25,8 @@ the lag being the γ=0 steps in a row each worker reports (its whole context aft
 So at low load γ>0 keeps being probed and estimates keep refreshing (no deadlock at γ=0), while
 at high load a probe after a long γ=0 run is rare. Never-visited buckets start at the model's
 choice, capped by the next smaller bucket's γ; a bin whose observed loss misses its prediction
-by more than ``change_tolerance`` restarts the bucket's schedule at block 0.
+by more than ``change_tolerance`` (over at least ``change_min_tokens`` tokens of exploit bins) restarts
+the bucket's schedule at block 0.
 """
 
 from __future__ import annotations
@@ -54,12 +55,13 @@ class NightjarSettings:
     probe_margin: float = 0.15  # only probe arms predicted within 15% of the greedy arm
     min_plays: int = 8  # an arm with fewer plays in a bucket counts as uncertain
     stale_steps: int = 5000  # ... and so does one not played for this many bucket steps
-    switch_margin: float = 0.01  # hysteresis: switch only for a predicted gain above 1%
+    switch_margin: float = 0.03  # hysteresis: switch only for a predicted gain above 3% (noise flipped 1%)
     # A bucket takes its busier neighbour's γ when that is predicted within this of its own best:
     # a batch that hovers at a bucket boundary would otherwise switch γ at every crossing.
     table_margin: float = 0.03
     probe_budget: float = 0.05  # a probe runs at full rate if it costs <= 5% of the next bin's time
     change_tolerance: float = 0.3
+    change_min_tokens: int = 1024  # emitted tokens of exploit bins behind each change test
     initial_gamma: int = 1
     prior_block: int = 2  # a warm start (an offline surface) begins each bucket's schedule at this block
     offload: bool = True
@@ -70,8 +72,9 @@ class NightjarSettings:
     def __post_init__(self) -> None:
         if not 1 <= self.bin_base <= self.bin_max:
             raise ValueError(f"need 1 <= bin_base <= bin_max, got {self.bin_base}, {self.bin_max}")
-        if self.bins_per_block < 1 or self.min_plays < 0 or self.stale_steps < 1 or self.prior_block < 0:
-            raise ValueError("bins_per_block and stale_steps must be >= 1, min_plays and prior_block >= 0")
+        if (self.bins_per_block < 1 or self.min_plays < 0 or self.stale_steps < 1 or self.prior_block < 0
+                or self.change_min_tokens < 0):
+            raise ValueError("bins_per_block and stale_steps must be >= 1; min_plays, prior_block, change_min_tokens >= 0")
         if not 0 <= self.epsilon_min <= self.epsilon0 <= 1:
             raise ValueError("need 0 <= epsilon_min <= epsilon0 <= 1")
         if not 0 < self.probe_budget <= 1:
@@ -90,6 +93,7 @@ class _Timeline:
         # cell costs a fraction of a numpy one; support() turns it into an array when asked.
         self.hist = [0.0] * (hi - lo + 1)
         self.arm = arm  # arm in force
+        self.follows: int | None = None  # the busier neighbouring bucket whose arm this one plays
         self.exploit_arm = arm  # arm to return to after a probe
         self.block = 0
         self.bin_index = 0
@@ -106,6 +110,7 @@ class _Timeline:
         self.bin_ms = 0.0
         self.bin_tokens = 0.0
         self.predicted = 0.0  # predicted loss of the bin's arm when the bin began
+        self.judge_ms = self.judge_predicted_ms = self.judge_tokens = 0.0  # exploit bins since the last change test
         self._support: tuple[np.ndarray, np.ndarray] | None = None  # support(), until hist changes
 
     # Decay without touching every entry each step: new data is added with a weight that grows
@@ -279,18 +284,31 @@ class NightjarPolicy(GammaPolicy):
             return
         loss = self.losses(bucket)
         if not tl.probing and tl.bin_tokens > 0 and tl.predicted > 0:
-            observed = tl.bin_ms / tl.bin_tokens
-            if abs(observed / tl.predicted - 1.0) > s.change_tolerance:
-                tl.block, tl.bin_index = 0, 0  # the world moved: explore again from the start
-        tl.exploit_arm, followed = self._follow_neighbour(tl, bucket, loss, self._exploit_choice(tl, loss))
-        # A bucket that follows a busier one does not probe: its visits are the boundary
-        # crossings, and the shared models already learn from the busier bucket's steps.
-        probe = None if followed else self._probe_choice(tl, loss)
+            # Judged over at least change_min_tokens: a short bin at a small batch misses its
+            # prediction by 30% on acceptance luck alone, and each restart means 8-step bins
+            # with ε = 0.2 again (a live 4-client loop restarted 17 times in 4,000 steps).
+            tl.judge_ms += tl.bin_ms
+            tl.judge_predicted_ms += tl.predicted * tl.bin_tokens
+            tl.judge_tokens += tl.bin_tokens
+            if tl.judge_tokens >= s.change_min_tokens:
+                if abs(tl.judge_ms / tl.judge_predicted_ms - 1.0) > s.change_tolerance:
+                    tl.block, tl.bin_index = 0, 0  # the world moved: explore again from the start
+                tl.judge_ms = tl.judge_predicted_ms = tl.judge_tokens = 0.0
+        tl.exploit_arm, tl.follows = self._follow_neighbour(tl, bucket, loss, self._exploit_choice(tl, loss))
+        # A bucket that follows a busier one plays that bucket's arm, probes included, and does
+        # not probe itself: its visits are the boundary crossings, and the shared models already
+        # learn from the busier bucket's steps.
+        probe = None if tl.follows is not None else self._probe_choice(tl, loss)
         if probe is not None:
             tl.arm, tl.probing, tl.steps_left = probe, True, s.bin_base
         else:
             tl.arm, tl.probing = tl.exploit_arm, False
             tl.steps_left = min(s.bin_max, s.bin_base << min(tl.block, 20))
+        if tl.follows is not None:
+            tl.arm = self.timelines[tl.follows].arm
+        for i in (bucket - 1, bucket + 1):  # followers switch with their leader, not at their next bin end
+            if 0 <= i < len(self.timelines) and self.timelines[i].follows == bucket:
+                self.timelines[i].arm = tl.arm
         tl.bin_index += 1
         if tl.bin_index >= s.bins_per_block:
             tl.block, tl.bin_index = tl.block + 1, 0
@@ -337,17 +355,17 @@ class NightjarPolicy(GammaPolicy):
             cost += self._catchup_ms(batch) / max(tokens, 1.0)
         return best if cost < loss[current] else current
 
-    def _follow_neighbour(self, tl: _Timeline, bucket: int, loss: np.ndarray, own: int) -> tuple[int, bool]:
-        """(γ, followed): the busier neighbouring bucket's γ where it costs at most
-        ``table_margin`` here, else this bucket's own choice."""
-        near = [self.timelines[i] for i in (bucket - 1, bucket + 1) if 0 <= i < len(self.timelines)]
-        busier = max(near, key=lambda t: t.steps, default=None)
-        if busier is None or busier.steps <= tl.steps:
-            return own, False
-        ref = busier.exploit_arm
+    def _follow_neighbour(self, tl: _Timeline, bucket: int, loss: np.ndarray, own: int) -> tuple[int, int | None]:
+        """(γ, leader): the busier neighbouring bucket's γ and index where its γ costs at most
+        ``table_margin`` here, else (this bucket's own choice, None)."""
+        near = [i for i in (bucket - 1, bucket + 1) if 0 <= i < len(self.timelines)]
+        leader = max(near, key=lambda i: self.timelines[i].steps, default=None)
+        if leader is None or self.timelines[leader].steps <= tl.steps or self.timelines[leader].follows == bucket:
+            return own, None
+        ref = self.timelines[leader].exploit_arm
         if loss[ref] <= loss[own] * (1.0 + self.settings.table_margin):
-            return ref, True
-        return own, False
+            return ref, leader
+        return own, None
 
     def _probe_choice(self, tl: _Timeline, loss: np.ndarray) -> int | None:
         s = self.settings
