@@ -280,7 +280,8 @@ def _against_running(a: argparse.Namespace, p: argparse.ArgumentParser, scale, o
                 steps = None
                 if probe:
                     await probe.read_steps()
-                    steps = summarize_steps(probe.steps)
+                    after = res.started_unix * 1000 + wl.warmup_s * 1000  # a closed loop's warm-up is not counted
+                    steps = summarize_steps([s for s in probe.steps if s.unix_ms >= after])
             finally:
                 if probe:
                     await probe.close()
