@@ -1,12 +1,24 @@
-"""Where the shipped models and prompt set live (overridable by each service's config)."""
+"""Where the shipped models and prompt set live (overridable by each service's config).
+
+Two pairs ship: ``serve-*``, serving-shaped (a few wide layers that stream their weights, as an
+8B/1B pair does), the default; and ``tiny-*``, small and quick, which the tests run.
+``NIGHTJAR_DEFAULT_PAIR=tiny`` makes the tiny pair the default (tests/conftest.py sets it).
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS_DIR = ROOT / "models"
-DEFAULT_TARGET = MODELS_DIR / "tiny-target"
-DEFAULT_DRAFT = MODELS_DIR / "tiny-draft"
+SERVE_TARGET, SERVE_DRAFT = MODELS_DIR / "serve-target", MODELS_DIR / "serve-draft"
+TINY_TARGET, TINY_DRAFT = MODELS_DIR / "tiny-target", MODELS_DIR / "tiny-draft"
+PAIRS = {"serve": (SERVE_TARGET, SERVE_DRAFT), "tiny": (TINY_TARGET, TINY_DRAFT)}
+PAIR_ENV = "NIGHTJAR_DEFAULT_PAIR"
+_pair = os.environ.get(PAIR_ENV, "serve")
+if _pair not in PAIRS:
+    raise SystemExit(f"{PAIR_ENV}={_pair!r}: expected one of {', '.join(PAIRS)}")
+DEFAULT_TARGET, DEFAULT_DRAFT = PAIRS[_pair]
 HELDOUT_PROMPTS = MODELS_DIR / "prompts.jsonl"  # one {"id": str, "text": str} per line
 TRACES_DIR = ROOT.parent / "shared" / "traces"  # read by path, never copied in
