@@ -47,3 +47,12 @@ def test_packed_model_keeps_weight_bytes_and_refuses_to_move():
         packed.to_device("cpu")
     with pytest.raises(ValueError, match="fp32"):
         LlamaModel.from_folder(path, dtype=torch.bfloat16, packed=True)
+
+
+def test_row_counts_are_bucketed_with_little_waste():
+    from worker.linear import padded_rows
+
+    sizes = [padded_rows(n) for n in range(1, 513)]
+    assert sizes[:16] == list(range(1, 17))  # decode and verify row counts run exactly
+    assert all(n <= p <= n + n / 8 for n, p in enumerate(sizes, 1))  # at most 1/8 of the rows wasted
+    assert sizes == sorted(sizes) and len(set(sizes)) <= 64  # few kernels compiled, for good

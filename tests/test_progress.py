@@ -169,6 +169,9 @@ def engine_child(worker_pid: int) -> int:
     return int(children[0])
 
 
+TOKENS = 240
+
+
 @pytest.mark.slow
 async def test_sigstop_an_engine_with_requests_running_they_are_redispatched_and_complete():
     stack = start_stack(workers=2, policy="fixed:2", worker_args=("--engine-process",),
@@ -176,12 +179,14 @@ async def test_sigstop_an_engine_with_requests_running_they_are_redispatched_and
     stopped = None
     try:
         texts = prompt_texts(8, chars=80)
-        reference = engine_reference(texts, 48)
+        # long enough that a worker is seen running 4 at once (the packed CPU path decodes 48
+        # tokens in a fraction of a heartbeat interval)
+        reference = engine_reference(texts, TOKENS)
         channel, stub = aio_stub(stack)
         async with channel:
             async def one(text):
                 toks = []
-                async for resp in stub.Generate(pb.GenerateRequest(prompt=text, max_tokens=48)):
+                async for resp in stub.Generate(pb.GenerateRequest(prompt=text, max_tokens=TOKENS)):
                     toks += resp.token_ids
                 return toks
 
@@ -199,7 +204,7 @@ async def test_sigstop_an_engine_with_requests_running_they_are_redispatched_and
             os.kill(stopped, signal.SIGSTOP)  # the engine stops; the worker's event loop heartbeats on
             results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         for text, toks in zip(texts, results):
-            assert_same_greedy(text, toks, reference[text], 48)
+            assert_same_greedy(text, toks, reference[text], TOKENS)
         assert "is stalled" in stack.service("scheduler").log_path.read_text()
         assert victim.alive()  # alive all along: only progress told
     finally:
