@@ -106,7 +106,8 @@ RAW_CASES = [
     ("length-prefix-past-end", b"\x0a\x7fabc", BEARER, None, INVALID, "request"),
     ("oversized-message", req("a" * (5 << 20)), BEARER, None, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
     ("deadline-already-expired", req(), BEARER, 0.0005, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline"),
-    ("deadline-mid-generation", req(max_tokens=400, ignore_eos=True), BEARER, 1.0, grpc.StatusCode.DEADLINE_EXCEEDED, "eadline"),
+    # 900 tokens take seconds even on the packed CPU path (400 finished inside 1 s there)
+    ("deadline-mid-generation", req(max_tokens=900, ignore_eos=True), BEARER, 0.5, grpc.StatusCode.DEADLINE_EXCEEDED, "eadline"),
     ("auth-missing", req(), (), None, grpc.StatusCode.UNAUTHENTICATED, "bearer token"),
     ("auth-wrong-token", req(), (("authorization", "Bearer wrong"),), None, grpc.StatusCode.UNAUTHENTICATED, "bearer token"),
     ("auth-token-prefix", req(), (("authorization", f"Bearer {TOKEN[:-1]}"),), None, grpc.StatusCode.UNAUTHENTICATED, "bearer token"),
@@ -176,7 +177,7 @@ SDK_CASES = [
     ("seed-float", dict(seed=1.5), sdk.InvalidArgument, "seed"),
     ("request-id-too-long", dict(request_id="q" * 100), sdk.InvalidArgument, "request_id"),
     ("deadline-tiny", dict(deadline_s=1e-4, max_tokens=400, ignore_eos=True), sdk.DeadlineExceeded, "DEADLINE_EXCEEDED"),
-    ("deadline-mid-generation", dict(deadline_s=1.0, max_tokens=400, ignore_eos=True), sdk.DeadlineExceeded, "eadline"),
+    ("deadline-mid-generation", dict(deadline_s=0.5, max_tokens=900, ignore_eos=True), sdk.DeadlineExceeded, "eadline"),
 ]
 
 

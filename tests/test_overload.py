@@ -53,9 +53,10 @@ async def test_overload_refuses_the_excess_and_completes_every_admitted_request(
     assert 0 < rep.max_queued_seen <= MAX_QUEUED, rep.max_queued_seen
     # Admitted latency is bounded by the queue cap, not by the offered load.
     assert rep.latency_p99_s is not None and rep.latency_p99_s < 30.0, rep.latency_p99_s
-    # Memory stays bounded: no service grew by more than 100 MB at the peak.
+    # Memory stays bounded: no service grew by more than 150 MB at the peak (the worker's share
+    # includes the oneDNN kernels compiled once per row-count bucket, worker/linear.py).
     for name, (before, peak, _after) in rep.rss_mb.items():
-        assert peak - before < 100, f"{name}: RSS {before} MB -> peak {peak} MB"
+        assert peak - before < 150, f"{name}: RSS {before} MB -> peak {peak} MB"
     assert await wait_idle(stack, baseline, timeout_s=60) == baseline
     assert not dead_services(stack)
     async with AsyncClient(stack.address) as c:
