@@ -29,7 +29,7 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 def padded_rows(n: int) -> int:
     """n rounded up so that few distinct row counts reach oneDNN: exact up to 16, then to a
     multiple of 2^(bits(n-1) - 4), i.e. at most 1/8 of the rows wasted. Each row count oneDNN
-    sees keeps a compiled kernel for good (one weight shape, rows 1..512: +330 MB of RSS)."""
+    sees keeps a compiled kernel for good, and every count up to 512 costs hundreds of MB."""
     if n <= 16:
         return n
     step = 1 << ((n - 1).bit_length() - 4)

@@ -15,8 +15,8 @@ block j has ``bins_per_block`` bins of min(bin_max, bin_base·2^j) steps. Decisi
 at bin ends, so γ changes at most twice per bin (probe and return). At a bin end the next bin
 exploits argmin L, switching only if the gain beats ``switch_margin`` plus the expected draft
 catch-up C amortised over the bin's tokens, and takes the busier neighbouring bucket's γ when
-that is within ``table_margin`` (a batch hovering at a boundary does not flip γ). With probability ε_j = max(ε_min, ε_0/(1+j)) it is
-instead a short probe bin (bin_base steps) of the cheapest uncertain arm predicted within
+that is within ``table_margin`` (a batch hovering at a boundary does not flip γ). With
+probability ε_j = max(ε_min, ε_0/(1+j)) it is instead a short probe bin (bin_base steps) of the cheapest uncertain arm predicted within
 ``probe_margin`` of the greedy one (else a neighbour γ±1). A probe whose predicted extra time
 (its excess loss, plus C when it turns the draft on) exceeds ``probe_budget`` of the next bin's
 time has its probability scaled by (budget/extra)², because at high load its stall also delays
@@ -55,7 +55,7 @@ class NightjarSettings:
     probe_margin: float = 0.15  # only probe arms predicted within 15% of the greedy arm
     min_plays: int = 8  # an arm with fewer plays in a bucket counts as uncertain
     stale_steps: int = 5000  # ... and so does one not played for this many bucket steps
-    switch_margin: float = 0.03  # hysteresis: switch only for a predicted gain above 3% (noise flipped 1%)
+    switch_margin: float = 0.03  # hysteresis: switch only for a predicted gain above 3% (live noise flips 1%)
     # A bucket takes its busier neighbour's γ when that is predicted within this of its own best:
     # a batch that hovers at a bucket boundary would otherwise switch γ at every crossing.
     table_margin: float = 0.03
@@ -286,7 +286,7 @@ class NightjarPolicy(GammaPolicy):
         if not tl.probing and tl.bin_tokens > 0 and tl.predicted > 0:
             # Judged over at least change_min_tokens: a short bin at a small batch misses its
             # prediction by 30% on acceptance luck alone, and each restart means 8-step bins
-            # with ε = 0.2 again (a live 4-client loop restarted 17 times in 4,000 steps).
+            # with ε = 0.2 again (BENCHMARKS.md, the live planner).
             tl.judge_ms += tl.bin_ms
             tl.judge_predicted_ms += tl.predicted * tl.bin_tokens
             tl.judge_tokens += tl.bin_tokens

@@ -210,8 +210,8 @@ class StepCostModel:
         cell = n if n < verify.top else verify.top
         # Both parts are times, so neither goes below 0. Without that bound the split between
         # them is free wherever one γ is played at a few batch sizes (n and B move together), and
-        # a live stack's noisy, prefill-laden steps walked it apart: r(B) to -50 ms, v(n) above
-        # the step, and predictions of negative step times (BENCHMARKS.md, live planner).
+        # a live stack's noisy, prefill-laden steps walked it apart into negative predicted step
+        # times (BENCHMARKS.md, the live planner).
         if verify.weight[cell] > 0:  # r learns what v(n) leaves unexplained ...
             residual = verify_ms - verify.mean[cell]
             per_seq.observe(batch_size, residual if residual > 0.0 else 0.0)
@@ -252,9 +252,8 @@ class StepCostModel:
 
         A mixed step rarely lands on a pure-decode cell: in a closed loop a new prompt joins
         when a sequence leaves, so decode steps run at B and mixed ones at B - 1 (another n).
-        Requiring the exact cell left c unlearned (0) there, every mixed step then looked
-        ~2x dearer than predicted, and the policy's change detector restarted its schedule on
-        nearly every bin."""
+        Requiring the exact cell left c unlearned there, every mixed step looked dearer than
+        predicted, and the policy's change detector restarted its schedule on nearly every bin."""
         verify = self.verify
         cell = n if n < verify.top else verify.top
         if verify.weight[cell] >= 4:
