@@ -146,3 +146,25 @@ def respawn(stack: Stack, svc: Service) -> Service:
 def dead_services(stack: Stack) -> list[str]:
     """The services that died, with their log tails (empty = all alive)."""
     return [f"{s.name} (rc {s.proc.returncode}):\n{s.log_tail(20)}" for s in stack.services if not s.alive()]
+
+
+async def read_until_final(redis_client, keys: Keys, rid: str, timeout_s: float = 60.0) -> list:
+    """Every OutputChunk of request ``rid`` up to its final one; a Redis error (a BUSY script,
+    a restart) is waited out, not raised, until ``timeout_s``."""
+    from nightjar.messages import OutputChunk
+
+    chunks, last = [], b"0-0"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            reply = await redis_client.xread({keys.output(rid): last}, block=200)
+        except redis.RedisError:
+            await asyncio.sleep(0.2)
+            continue
+        for _, entries in reply or ():
+            for entry_id, fields in entries:
+                last = entry_id
+                chunks.append(OutputChunk.decode(fields[b"c"]))
+                if chunks[-1].finish_reason is not None:
+                    return chunks
+    raise AssertionError(f"{rid}: no final chunk within {timeout_s}s")

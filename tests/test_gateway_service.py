@@ -10,9 +10,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from engine_support import pair, tokenizer
+from gateway_support import take_job
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine_support import pair, tokenizer
 from gateway.config import GatewayConfig
 from gateway.server import Gateway
 from nightjar.keys import Keys
@@ -38,15 +39,7 @@ class Rig:
         self.tok = tokenizer(str(gw.cfg.target_path))
 
     async def next_job(self, timeout_s: float = 5.0) -> Job:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            entries = await self.redis.xrange(self.keys.requests)
-            if entries:
-                entry_id, fields = entries[0]
-                await self.redis.xdel(self.keys.requests, entry_id)
-                return Job.decode(fields[b"job"])
-            await asyncio.sleep(0.02)
-        raise AssertionError("no job was enqueued")
+        return await take_job(self.redis, self.keys, timeout_s)
 
     async def emit(self, rid: str, index: int, toks, finish: str | None = None) -> None:
         chunk = OutputChunk(rid, index, tuple(toks), finish_reason=finish, prompt_tokens=3, completion_tokens=index + len(toks))

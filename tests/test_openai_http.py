@@ -17,8 +17,9 @@ import grpc
 import httpx
 import openai
 import pytest
-
 from engine_support import pair, tokenizer
+from gateway_support import take_job
+
 from gateway.config import GatewayConfig
 from gateway.server import Gateway
 from nightjar.messages import Job, OutputChunk
@@ -44,15 +45,7 @@ class Rig:
         self.http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.http_port}", timeout=10)
 
     async def next_job(self, timeout_s: float = 5.0) -> Job:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            entries = await self.redis.xrange(self.keys.requests)
-            if entries:
-                entry_id, fields = entries[0]
-                await self.redis.xdel(self.keys.requests, entry_id)
-                return Job.decode(fields[b"job"])
-            await asyncio.sleep(0.02)
-        raise AssertionError("no job was enqueued")
+        return await take_job(self.redis, self.keys, timeout_s)
 
     async def emit(self, rid: str, index: int, toks, finish: str | None = None) -> None:
         chunk = OutputChunk(rid, index, tuple(toks), finish_reason=finish)

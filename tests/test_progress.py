@@ -18,12 +18,12 @@ import redis as sync_redis
 
 from engine_support import pair
 from nightjar.keys import Keys
-from nightjar.messages import Heartbeat, Job, OutputChunk
+from nightjar.messages import Heartbeat, Job
 from nightjar.redis_server import EmbeddedRedis
 from nightjar.service_util import connect_redis, now_ms
 from nightjar.v1 import inference_pb2 as pb
 from pipeline_support import aio_stub, assert_same_greedy, engine_reference, prompt_texts
-from reliability_support import heartbeats, start_stack
+from reliability_support import heartbeats, read_until_final, start_stack
 from scheduler_svc.capacity import ProgressView
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
@@ -77,24 +77,6 @@ async def test_a_stalled_worker_is_left_out_and_its_jobs_go_elsewhere(redis_url,
         await redis.aclose()
 
 
-async def read_final(redis, keys, rid, timeout_s) -> list[OutputChunk]:
-    chunks, last = [], b"0-0"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            reply = await redis.xread({keys.output(rid): last}, block=200)
-        except sync_redis.RedisError:
-            await asyncio.sleep(0.2)
-            continue
-        for _, entries in reply or ():
-            for entry_id, fields in entries:
-                last = entry_id
-                chunks.append(OutputChunk.decode(fields[b"c"]))
-                if chunks[-1].finish_reason is not None:
-                    return chunks
-    raise AssertionError(f"{rid}: no final chunk within {timeout_s}s")
-
-
 @pytest.mark.slow
 async def test_the_worker_survives_redis_busy_with_a_script_and_recovers():
     server = EmbeddedRedis().start()
@@ -122,7 +104,7 @@ async def test_the_worker_survives_redis_busy_with_a_script_and_recovers():
             await redis.xadd(keys.inbox("wb"), {b"job": job.encode()})
 
         await submit("before")
-        assert (await read_final(redis, keys, "before", 60))[-1].finish_reason == "length"
+        assert (await read_until_final(redis, keys, "before", 60))[-1].finish_reason == "length"
         busy = threading.Thread(target=lambda: _run_busy_script(server.url), daemon=True)
         busy.start()
         await asyncio.sleep(6.0)  # every command the worker sends meanwhile gets BUSY
@@ -130,7 +112,7 @@ async def test_the_worker_survives_redis_busy_with_a_script_and_recovers():
         busy.join(10)
         await asyncio.to_thread(_wait_answering, admin)  # commands right after the kill may still get BUSY
         await submit("after")
-        assert (await read_final(redis, keys, "after", 30))[-1].finish_reason == "length"
+        assert (await read_until_final(redis, keys, "after", 30))[-1].finish_reason == "length"
         assert not task.done(), "the worker must not stop over a busy Redis"
         assert Heartbeat.decode(await redis.get(keys.heartbeat("wb"))).worker_id == "wb"
     finally:

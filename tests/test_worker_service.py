@@ -5,7 +5,6 @@ output stream, publishes cancels)."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 import pytest_asyncio
 
 from engine_support import engine, pair, prompt_ids, run_all
+from reliability_support import read_until_final
 from nightjar.keys import Keys
 from nightjar.messages import Cancel, Heartbeat, Job, OutputChunk, Policy, SamplingParams, StepStats
 from nightjar.service_util import connect_redis, now_ms
@@ -49,20 +49,6 @@ async def submit(redis, keys, rid, ids, worker="w1", **params) -> None:
     await redis.hset(keys.assignment(rid), mapping={"worker": worker, "job": job.encode()})
     await redis.sadd(keys.worker_assignments("w1"), rid)
     await redis.xadd(keys.inbox("w1"), {b"job": job.encode()})
-
-
-async def read_until_final(redis, keys, rid, timeout_s=60.0) -> list[OutputChunk]:
-    chunks, last = [], b"0-0"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        reply = await redis.xread({keys.output(rid): last}, block=200)
-        for _, entries in reply or ():
-            for entry_id, fields in entries:
-                last = entry_id
-                chunks.append(OutputChunk.decode(fields[b"c"]))
-                if chunks[-1].finish_reason is not None:
-                    return chunks
-    raise AssertionError(f"{rid}: no final chunk")
 
 
 async def test_job_streams_indexed_chunks_then_is_acked_and_released(svc):
