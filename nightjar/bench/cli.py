@@ -280,8 +280,7 @@ def _against_running(a: argparse.Namespace, p: argparse.ArgumentParser, scale, o
                 steps = None
                 if probe:
                     await probe.read_steps()
-                    after = res.started_unix * 1000 + wl.warmup_s * 1000  # a closed loop's warm-up is not counted
-                    steps = summarize_steps([s for s in probe.steps if s.unix_ms >= after])
+                    steps = summarize_steps(probe.steps, (res.started_unix + wl.warmup_s) * 1000)
             finally:
                 if probe:
                     await probe.close()

@@ -176,9 +176,7 @@ async def run_on_stack(stack: Stack, workload: Workload, prompts: list[str], cfg
                               seed=cfg.seed, progress=cfg.progress, label=label)
         result = await run_load(workload, prompts, load_cfg, probe=probe)
         await probe.read_steps()
-        # A closed loop's warm-up steps (the batch filling, the planner's first bins) are not counted.
-        after = result.started_unix * 1000 + workload.warmup_s * 1000
-        return result, summarize_steps([s for s in probe.steps if s.unix_ms >= after])
+        return result, summarize_steps(probe.steps, (result.started_unix + workload.warmup_s) * 1000)
     finally:
         await probe.close()
 

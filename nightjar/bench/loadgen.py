@@ -201,28 +201,30 @@ async def run_load(workload: Workload, prompts: list[str], cfg: LoadConfig, prob
 
     sampler_task = asyncio.create_task(sampler())
     tasks: list[asyncio.Task] = []
+    queue: list[int] = []  # closed loop: requests no client has taken yet
     try:
         if workload.clients:
             queue = list(range(len(records)))[::-1]  # pop() takes them in order
-            clients = [asyncio.create_task(client(queue)) for _ in range(workload.clients)]
-            tasks = clients
-            await asyncio.wait(clients, timeout=workload.duration_s + cfg.drain_timeout_s)
-            for i in queue:
-                records[i].status = "not_sent"
-        for rec, prompt in zip(records, prompts if not workload.clients else []):
-            if rec.planned_s > cfg.max_duration_s:
-                rec.status = "not_sent"
-                continue
-            delay = rec.planned_s - (loop.time() - t0)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            counters.sent += 1
-            tasks.append(asyncio.create_task(one(rec, prompt)))
+            tasks = [asyncio.create_task(client(queue)) for _ in range(workload.clients)]
+            drain_s = workload.duration_s + cfg.drain_timeout_s
+        else:
+            for rec, prompt in zip(records, prompts):
+                if rec.planned_s > cfg.max_duration_s:
+                    rec.status = "not_sent"
+                    continue
+                delay = rec.planned_s - (loop.time() - t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                counters.sent += 1
+                tasks.append(asyncio.create_task(one(rec, prompt)))
+            drain_s = cfg.drain_timeout_s
         if tasks:
-            _done, pending = await asyncio.wait(tasks, timeout=cfg.drain_timeout_s)
+            _done, pending = await asyncio.wait(tasks, timeout=drain_s)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        for i in queue:
+            records[i].status = "not_sent"
     finally:
         for task in tasks:
             task.cancel()

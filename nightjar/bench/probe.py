@@ -94,8 +94,10 @@ def _majority(values: list[str]) -> str:
     return Counter(values).most_common(1)[0][0] if values else "none"
 
 
-def summarize_steps(steps: list[StepStats]) -> dict:
-    """Per-run totals from the engine's step statistics (pure; ``steps`` in stream order)."""
+def summarize_steps(steps: list[StepStats], since_unix_ms: float = 0.0) -> dict:
+    """Per-run totals from the engine's step statistics (pure; ``steps`` in stream order), over
+    the steps from ``since_unix_ms`` on (a closed loop's warm-up is left out)."""
+    steps = [s for s in steps if s.unix_ms >= since_unix_ms]
     out = {"steps": len(steps), "gamma_switches": 0, "offloads": 0, "reloads": 0, "acceptance": None,
            "accepted_per_step": None, "spec_step_share": 0.0, "catchup_tokens": 0, "catchup_ms": 0.0,
            "preempted": 0, "emitted_tokens": 0, "mean_batch": 0.0, "mean_step_ms": 0.0, "acceptance_alarms": 0}
