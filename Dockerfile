@@ -16,6 +16,7 @@ RUN mkdir -p nightjar && touch nightjar/__init__.py \
  && pip install --extra-index-url "$TORCH_INDEX" ".[serve]" \
  && pip uninstall -y nightjar
 COPY nightjar ./nightjar
+COPY nightjar_tools ./nightjar_tools
 COPY nightjar_client ./nightjar_client
 COPY gateway ./gateway
 COPY scheduler_svc ./scheduler_svc

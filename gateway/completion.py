@@ -12,7 +12,7 @@ from gateway.errors import DeadlineExceeded, GatewayError, InvalidArgument, Requ
 from gateway.text_stream import IndexDedup, StopCutter
 from nightjar import metrics as m
 from nightjar.messages import OutputChunk
-from worker.detokenizer import IncrementalDetokenizer
+from nightjar.text import IncrementalDetokenizer
 
 
 @dataclass(frozen=True)

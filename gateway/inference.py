@@ -21,10 +21,10 @@ from gateway.admission import AdmissionTable, InFlight
 from gateway.completion import Completion, Delta, Summary
 from gateway.config import GatewayConfig
 from gateway.errors import DeadlineExceeded
-from gateway.follower import RequestQueue
+from gateway.request_queue import RequestQueue
 from gateway.validation import Limits, ValidRequest, check_length, prompt_byte_cap
 from nightjar import metrics as m
-from nightjar.fast_tokenizer import FastTokenizer
+from nightjar.text import FastTokenizer
 from nightjar.messages import Job
 from nightjar.service_util import now_ms
 

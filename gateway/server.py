@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.admission import AdmissionTable
 from gateway.config import GatewayConfig
-from gateway.follower import RequestQueue
+from gateway.request_queue import RequestQueue
 from gateway.http_server import HTTPServer
 from gateway.inference import Inference
 from gateway.openai_http import OpenAIFrontEnd

@@ -1,7 +1,7 @@
 """From indexed token chunks to the text a client sees: drop re-sent tokens, cut at stop strings.
 
 Pure logic (no I/O) so it is unit-tested on its own. The detokenizer itself (never splits a
-UTF-8 character) is worker.detokenizer.IncrementalDetokenizer, shared with the engine.
+UTF-8 character) is nightjar.text.IncrementalDetokenizer, shared with the engine.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 import sys
 
-from nightjar.cli import main
+from nightjar_tools.cli import main
 
 sys.exit(main())

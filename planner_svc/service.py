@@ -32,7 +32,7 @@ from planner_svc.policies import GammaPolicy, make_policy
 
 log = logging.getLogger("planner")
 STATE_FORMAT = 1
-STATS_FIELD = b"s"  # worker.service writes XADD keys.stats {b"s": StepStats.encode()}
+STATS_FIELD = b"s"  # worker.service.loops writes XADD keys.stats {b"s": StepStats.encode()}
 VERSION_LIMIT = 2**63 - 1  # signed 64-bit, so any reader's integer type holds it
 
 

@@ -30,9 +30,9 @@ def parse_config(argv: list[str]) -> SchedulerConfig:
 
 
 async def serve(cfg: SchedulerConfig) -> int:
-    from scheduler_svc.scheduler import Scheduler
+    from scheduler_svc.dispatcher import Dispatcher
 
-    return await run_redis_loop("scheduler", cfg, lambda redis: Scheduler(cfg, redis))
+    return await run_redis_loop("scheduler", cfg, lambda redis: Dispatcher(cfg, redis))
 
 
 def main(argv: list[str] | None = None) -> int:

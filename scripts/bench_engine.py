@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from nightjar import paths  # noqa: E402
 from nightjar.messages import SamplingParams  # noqa: E402
-from worker.config import EngineConfig  # noqa: E402
-from worker.engine import Engine, EngineRequest  # noqa: E402
+from worker.engine.config import EngineConfig  # noqa: E402
+from worker.engine.engine import Engine, EngineRequest  # noqa: E402
 
 
 def load_workload(tok, n: int, prompt_tokens: int, lengths: list[int]) -> list[tuple[list[int], int]]:

@@ -125,7 +125,7 @@ def main() -> int:
     p.add_argument("--policy", default="off")
     p.add_argument("--workers", type=int, default=1)
     a = p.parse_args()
-    from nightjar.stack import Stack, StackConfig
+    from nightjar_tools.stack import Stack, StackConfig
 
     cfg = StackConfig(port=0, http_port=0, workers=a.workers, key_prefix=f"bh{uuid.uuid4().hex[:6]}", policy=a.policy)
     with Stack(cfg) as stack:

@@ -24,8 +24,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from nightjar import paths  # noqa: E402
-from worker.linear import pack, packed_linear  # noqa: E402
-from worker.loader import fused_weights, load_config, load_state_dict  # noqa: E402
+from worker.engine.linear import pack, packed_linear  # noqa: E402
+from worker.engine.loader import fused_weights, load_config, load_state_dict  # noqa: E402
 
 
 def _matrices(folder: Path) -> list[torch.Tensor]:

@@ -38,10 +38,10 @@ sys.path.insert(0, str(ROOT))
 
 from nightjar import paths  # noqa: E402
 from nightjar.messages import SamplingParams  # noqa: E402
-from worker.config import EngineConfig  # noqa: E402
-from worker.draft_mover import plain_copy_seconds  # noqa: E402
-from worker.engine import Engine, EngineRequest  # noqa: E402
-from worker.pressure import PressureRule  # noqa: E402
+from worker.engine.config import EngineConfig  # noqa: E402
+from worker.engine.draft_mover import plain_copy_seconds  # noqa: E402
+from worker.engine.engine import Engine, EngineRequest  # noqa: E402
+from worker.engine.pressure import PressureRule  # noqa: E402
 
 BIG_GAMMA_BATCH = 2  # elastic engine: γ = 3 up to this batch size, then 0 (the CPU crossover is low)
 

@@ -50,8 +50,8 @@ class InProcess:
     """The engine driven directly, as a caller without the pipeline would."""
 
     def __init__(self, target: Path, draft: Path | None, threads: int, gamma: int, device: str = "cpu") -> None:
-        from worker.config import EngineConfig
-        from worker.engine import Engine
+        from worker.engine.config import EngineConfig
+        from worker.engine.engine import Engine
 
         self.eng = Engine(EngineConfig(target_path=str(target), draft_path=str(draft) if draft else None,
                                        num_threads=threads, default_gamma=gamma if draft else 0, device=device))
@@ -60,7 +60,7 @@ class InProcess:
 
     def _req(self, text: str, max_tokens: int):
         from nightjar.messages import SamplingParams
-        from worker.engine import EngineRequest
+        from worker.engine.engine import EngineRequest
 
         self.n += 1
         return EngineRequest(f"b{self.n}", self.tok.encode(text), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
@@ -168,7 +168,7 @@ def stack_policy(a: argparse.Namespace) -> str:
 
 def start_stack(a: argparse.Namespace):
     """One worker, no planner, the engine settings of the in-process side."""
-    from nightjar.stack import Stack, StackConfig
+    from nightjar_tools.stack import Stack, StackConfig
 
     return Stack(StackConfig(port=0, workers=1, planner=False, policy=stack_policy(a),
                              draft_path=None if a.no_draft else paths.DEFAULT_DRAFT,

@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from nightjar import paths  # noqa: E402
 from nightjar.messages import SamplingParams  # noqa: E402
-from worker.config import EngineConfig  # noqa: E402
-from worker.engine import Engine, EngineRequest  # noqa: E402
+from worker.engine.config import EngineConfig  # noqa: E402
+from worker.engine.engine import Engine, EngineRequest  # noqa: E402
 
 
 def prompts(tok, n: int, max_tokens: int, offset: int = 0) -> list[list[int]]:

@@ -40,11 +40,11 @@ sys.path.insert(0, str(ROOT))
 
 from nightjar import paths  # noqa: E402
 from nightjar.messages import SamplingParams  # noqa: E402
-from worker.config import EngineConfig  # noqa: E402
-from worker.draft_mover import DraftMover, plain_copy_seconds  # noqa: E402
-from worker.engine import Engine, EngineRequest  # noqa: E402
-from worker.loader import ModelConfig  # noqa: E402
-from worker.model import LlamaModel  # noqa: E402
+from worker.engine.config import EngineConfig  # noqa: E402
+from worker.engine.draft_mover import DraftMover, plain_copy_seconds  # noqa: E402
+from worker.engine.engine import Engine, EngineRequest  # noqa: E402
+from worker.engine.loader import ModelConfig  # noqa: E402
+from worker.engine.model import LlamaModel  # noqa: E402
 
 RESULTS: dict = {"checks": {}}
 

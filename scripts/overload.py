@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from nightjar import paths  # noqa: E402
-from nightjar.redis_server import free_port  # noqa: E402
-from nightjar.stack import Stack, StackConfig  # noqa: E402
+from nightjar_tools.redis_server import free_port  # noqa: E402
+from nightjar_tools.stack import Stack, StackConfig  # noqa: E402
 from nightjar_client import NO_RETRY, AsyncClient  # noqa: E402
 from nightjar_client import errors as sdk  # noqa: E402
 

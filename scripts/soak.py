@@ -7,7 +7,7 @@ lost requests (goal 0), errors, and the memory growth of every service process (
 The trace (``nightjar.paths.TRACES_DIR``/AzureLLMInferenceTrace_conv.csv) keeps its own
 burstiness; its arrival times are scaled so the mean load is ``--load`` x this machine's
 capacity (measured first with a short closed loop on the same length mix), and its lengths are
-scaled by ``nightjar.bench.workload.LengthScale`` to fit the CPU models. Requests go through the
+scaled by ``nightjar_tools.bench.workload.LengthScale`` to fit the CPU models. Requests go through the
 SDK with its default retry policy, as a real client's would.
 
 Outcomes per request: ``ok`` (finished with every token asked for), ``refused`` (still
@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from nightjar import paths  # noqa: E402
-from nightjar.bench.workload import LengthScale, PromptBank, build  # noqa: E402
-from nightjar.stack import Stack, StackConfig  # noqa: E402
+from nightjar_tools.bench.workload import LengthScale, PromptBank, build  # noqa: E402
+from nightjar_tools.stack import Stack, StackConfig  # noqa: E402
 from nightjar_client import AsyncClient  # noqa: E402
 from nightjar_client import errors as sdk  # noqa: E402
 

@@ -16,7 +16,7 @@ os.environ.setdefault("NIGHTJAR_DEFAULT_PAIR", "tiny")
 
 @pytest.fixture(scope="session")
 def redis_server():
-    from nightjar.redis_server import EmbeddedRedis
+    from nightjar_tools.redis_server import EmbeddedRedis
 
     with EmbeddedRedis() as server:
         yield server

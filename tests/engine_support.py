@@ -99,7 +99,7 @@ def hf_greedy(path: str, prompt: tuple[int, ...], n: int) -> tuple[tuple[int, ..
 
 @functools.cache
 def engine_eos(path: str) -> tuple[int, ...]:
-    from worker.loader import load_config
+    from worker.engine.loader import load_config
 
     ids = set(load_config(path).eos_token_ids)
     if tokenizer(path).eos_token_id is not None:
@@ -123,8 +123,8 @@ def check_greedy(ref: tuple[tuple[int, ...], tuple], got: list[int]) -> str | No
 
 @functools.cache
 def engine(target: str, draft: str | None = None, **kw):
-    from worker.config import EngineConfig
-    from worker.engine import Engine
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import Engine
 
     return Engine(EngineConfig(target_path=target, draft_path=draft, **kw))
 

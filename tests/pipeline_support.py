@@ -14,7 +14,7 @@ import redis
 from engine_support import PROMPTS, check_greedy, engine, hf_greedy, pair, run_all, tokenizer
 from nightjar.keys import Keys
 from nightjar.messages import Heartbeat, SamplingParams
-from nightjar.stack import Stack, StackConfig
+from nightjar_tools.stack import Stack, StackConfig
 from nightjar.v1 import inference_pb2 as pb
 from nightjar.v1 import inference_pb2_grpc as pb_grpc
 
@@ -36,7 +36,7 @@ def start_stack(redis_url: str, workers: int, **kw) -> Stack:
 
 def engine_reference(texts: list[str], max_tokens: int) -> dict[str, list[int]]:
     """The engine's own greedy output, in-process, all requests at once."""
-    from worker.engine import EngineRequest
+    from worker.engine.engine import EngineRequest
 
     target, _ = pair()
     tok = tokenizer(target)

@@ -25,8 +25,8 @@ from engine_support import pair
 from pipeline_support import heartbeats  # noqa: F401 (re-exported for the reliability tests)
 from nightjar import paths
 from nightjar.keys import Keys
-from nightjar.redis_server import EmbeddedRedis
-from nightjar.stack import Service, Stack, StackConfig
+from nightjar_tools.redis_server import EmbeddedRedis
+from nightjar_tools.stack import Service, Stack, StackConfig
 
 TOKEN = "s3cret-token-for-tests"
 REDIS_PASSWORD = "redis-pw-for-tests"
@@ -131,7 +131,7 @@ def respawn(stack: Stack, svc: Service) -> Service:
     log_path = svc.log_path.with_name(f"{svc.log_path.stem}-re{int(time.time() * 1000) % 100000}.log")
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "nightjar.cli", svc.name, *svc.args], stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "nightjar_tools.cli", svc.name, *svc.args], stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **env},
                                 cwd=str(paths.ROOT))
     new = Service(svc.name, list(svc.args), log_path, proc, svc.metrics_port)

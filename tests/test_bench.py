@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from nightjar import paths
-from nightjar.bench import plots, report
-from nightjar.bench.loadgen import LoadConfig, LoadResult, RequestRecord, run_load
-from nightjar.bench.probe import StackProbe, summarize_steps
-from nightjar.bench.workload import CONTEXT_TOKENS, LengthScale, PromptBank, Workload, build
+from nightjar_tools.bench import plots, report
+from nightjar_tools.bench.loadgen import LoadConfig, LoadResult, RequestRecord, run_load
+from nightjar_tools.bench.probe import StackProbe, summarize_steps
+from nightjar_tools.bench.workload import CONTEXT_TOKENS, LengthScale, PromptBank, Workload, build
 from nightjar.keys import Keys
 from nightjar.messages import Heartbeat, StepStats
 from nightjar.v1 import inference_pb2 as pb
@@ -311,8 +311,8 @@ def test_load_config_rejects_nonsense():
 
 
 def test_policy_and_workload_specs_resolve():
-    from nightjar.bench.cli import _workload, parser
-    from nightjar.bench.compare import kind_of, resolve_policy
+    from nightjar_tools.bench.cli import _workload, parser
+    from nightjar_tools.bench.compare import kind_of, resolve_policy
 
     assert resolve_policy("fixed:G", 3) == "fixed:3" and resolve_policy("threshold:4:G", 2) == "threshold:4:2"
     assert resolve_policy("table:1=4,4=2", 3) == "table:1=4,4=2"
@@ -325,7 +325,7 @@ def test_policy_and_workload_specs_resolve():
 
 
 def test_kv_budget_makes_the_draft_the_asked_share():
-    from nightjar.bench.compare import draft_weight_bytes, kv_budget_for_share
+    from nightjar_tools.bench.compare import draft_weight_bytes, kv_budget_for_share
 
     draft = draft_weight_bytes()
     assert draft > 1 << 20  # float32 bytes of a real checkpoint, not a header's size
@@ -344,7 +344,7 @@ def test_markdown_runs_rows_match_the_header():
 
 
 def test_plots_copy_only_the_headline_timelines(tmp_path):
-    from nightjar.bench.cli import _plots
+    from nightjar_tools.bench.cli import _plots
 
     samples = [{"t": 0.5 * i, "offered_rps": 1.0, "tokens_per_s": 5.0} for i in range(4)]
     runs = [_run(p, "burst", 100, 1.0, 0.2) for p in ("fixed:3", "nightjar", "ucb")]
@@ -357,7 +357,7 @@ def test_plots_copy_only_the_headline_timelines(tmp_path):
 
 
 def test_merge_turns_result_files_into_repeats():
-    from nightjar.bench.cli import merge_payloads
+    from nightjar_tools.bench.cli import merge_payloads
 
     def payload(tps):
         runs = [{**_run("nightjar", "burst", tps, 1.0, 0.2), "kind": "dynamic"}, {**_run("fixed:3", "burst", 100, 2.0, 0.2), "kind": "dynamic"}]
@@ -375,9 +375,9 @@ def test_merge_turns_result_files_into_repeats():
 
 
 def test_bench_gives_the_workers_its_models_and_sizes_the_budget_by_that_draft(tmp_path):
-    from nightjar.bench.cli import parser
+    from nightjar_tools.bench.cli import parser
     from engine_support import ROOT  # noqa: F401  (puts scripts/ on the path)
-    from nightjar.bench.compare import CompareConfig, WorkloadPlan, draft_weight_bytes, kv_budget_for_share
+    from nightjar_tools.bench.compare import CompareConfig, WorkloadPlan, draft_weight_bytes, kv_budget_for_share
     from widen_model import widen
 
     draft = widen(paths.DEFAULT_DRAFT, tmp_path / "wide-draft", factor=2)
@@ -394,7 +394,7 @@ def test_bench_gives_the_workers_its_models_and_sizes_the_budget_by_that_draft(t
 
 
 def test_odd_repeats_reverse_the_policy_order_so_a_steady_drift_cancels():
-    from nightjar.bench.compare import policy_order, speed_probe_ms
+    from nightjar_tools.bench.compare import policy_order, speed_probe_ms
 
     pols = ("off", "fixed:4", "nightjar")
     assert [policy_order(pols, r) for r in range(3)] == [pols, pols[::-1], pols]
@@ -407,7 +407,7 @@ def test_odd_repeats_reverse_the_policy_order_so_a_steady_drift_cancels():
 
 
 def test_closed_workload_spec():
-    from nightjar.bench.workload import CLOSED_OUTPUT_TOKENS, CLOSED_WARMUP_S
+    from nightjar_tools.bench.workload import CLOSED_OUTPUT_TOKENS, CLOSED_WARMUP_S
 
     wl = build("closed:16", 3.0, 30)
     assert wl.clients == 16 and wl.warmup_s == CLOSED_WARMUP_S and wl.duration_s == 30 + CLOSED_WARMUP_S
@@ -448,7 +448,7 @@ def test_goal_rows_best_static_takes_the_best_of_each_repeat():
 
 
 def test_headline_runs_every_peer_on_every_goal_workload_three_times(tmp_path, monkeypatch):
-    from nightjar.bench import cli, compare
+    from nightjar_tools.bench import cli, compare
 
     class Captured(Exception):
         pass

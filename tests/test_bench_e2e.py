@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from nightjar.bench.cli import main
+from nightjar_tools.bench.cli import main
 
 pytestmark = pytest.mark.slow
 

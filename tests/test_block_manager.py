@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from engine_support import check_greedy, engine, hf_greedy, pair, prompt_ids, run_all
 from nightjar.messages import SamplingParams
-from worker.block_manager import BlockManager
-from worker.engine import EngineRequest
-from worker.runner import ModelRunner
+from worker.engine.block_manager import BlockManager
+from worker.engine.engine import EngineRequest
+from worker.engine.runner import ModelRunner
 
 
 def test_ensure_trim_free_account_every_block():

@@ -12,8 +12,8 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fake_gateway import FakeGateway
-from nightjar.cli import COMMANDS
-from nightjar.cli import main as nightjar_main
+from nightjar_tools.cli import COMMANDS
+from nightjar_tools.cli import main as nightjar_main
 from nightjar_client import cli, config
 from nightjar_client import health as health_cmd
 
@@ -121,7 +121,7 @@ def test_health_command(capsys):
         assert health_cmd.check(target, service="nightjar.v1.InferenceService").startswith("UNREACHABLE: NOT_FOUND")
     finally:
         server.stop(None)
-    from nightjar.redis_server import free_port
+    from nightjar_tools.redis_server import free_port
     assert health_cmd.main(["--target", f"127.0.0.1:{free_port()}", "--timeout-s", "0.5"]) == 1
 
 

@@ -133,7 +133,7 @@ def test_closed_client_refuses_calls(gateway):
 
 
 def test_unreachable_server_is_unavailable():
-    from nightjar.redis_server import free_port
+    from nightjar_tools.redis_server import free_port
 
     sleeps: list[float] = []
     with Client(f"127.0.0.1:{free_port()}", retry=FAST, sleep=sleeps.append) as c:

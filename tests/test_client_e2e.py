@@ -1,4 +1,4 @@
-"""End to end against a real stack (`nightjar.stack.Stack`: Redis, gateway, scheduler, planner, worker).
+"""End to end against a real stack (`nightjar_tools.stack.Stack`: Redis, gateway, scheduler, planner, worker).
 
 The SDK (sync + asyncio), `nightjar generate`, the docs' examples, `nightjar queue` and the
 Prometheus endpoints, on the shipped models, over 127.0.0.1.
@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from nightjar import paths
-from nightjar.redis_server import free_port
+from nightjar_tools.redis_server import free_port
 from nightjar_client import AsyncClient, Client, InvalidArgument, RetryPolicy
 
 pytestmark = pytest.mark.slow
@@ -29,11 +29,11 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", 
 
 @pytest.fixture(scope="module")
 def stack():
-    from nightjar.stack import Stack, StackConfig
+    from nightjar_tools.stack import Stack, StackConfig
 
     if not (paths.DEFAULT_TARGET / "config.json").is_file():
         pytest.fail(f"the shipped target model is missing at {paths.DEFAULT_TARGET}")
-    from nightjar.stack import metrics_port_of
+    from nightjar_tools.stack import metrics_port_of
 
     base = free_port_run(4)  # one /metrics port per service: gateway, scheduler, planner, worker
     # The environment's port would be the same for every service; the stack must override it.
@@ -201,7 +201,7 @@ def test_metrics_after_known_traffic(stack):
 
 
 def test_queue_tool_sees_the_live_stack(stack):
-    from nightjar.queue_tool import main as queue_main
+    from nightjar_tools.queue_tool import main as queue_main
 
     out = io.StringIO()
     assert queue_main(["workers", "--json", "--redis-url", stack.redis_url, "--prefix", stack.cfg.key_prefix], out=out) == 0

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from nightjar.cli import COMMANDS
+from nightjar_tools.cli import COMMANDS
 from nightjar_client import health
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,7 +168,7 @@ class _Parsed(Exception):
 
 
 def _entry(command: str):
-    assert command in COMMANDS, f"'nightjar {command}' is not in nightjar/cli.py's table"
+    assert command in COMMANDS, f"'nightjar {command}' is not in nightjar_tools/cli.py's table"
     module, func = COMMANDS[command][0].split(":")
     return getattr(importlib.import_module(module), func)
 
@@ -229,7 +229,7 @@ def _seconds(duration: str) -> float:
 def test_the_worker_is_given_time_to_drain(config):
     """docker stop sends SIGKILL after stop_grace_period: shorter than the worker's drain (plus
     stopping its engine) would kill running requests that SIGTERM meant to let finish."""
-    from worker.service_config import WorkerServiceConfig
+    from worker.service.config import WorkerServiceConfig
 
     svc = config["services"]["worker"]
     args = svc["command"]

@@ -13,13 +13,13 @@ from nightjar.keys import Keys
 from nightjar.messages import Heartbeat, Job
 from nightjar.service_util import connect_redis, now_ms
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.dispatcher import Dispatcher
 
 
 @pytest.fixture
 async def env(redis_url, key_prefix):
     redis = connect_redis(redis_url)
-    sched = Scheduler(SchedulerConfig(redis_url=redis_url, key_prefix=key_prefix, consumer="s1"), redis)
+    sched = Dispatcher(SchedulerConfig(redis_url=redis_url, key_prefix=key_prefix, consumer="s1"), redis)
     await sched.ensure_group()
     keys = Keys(key_prefix)
     yield sched, DirectDispatch(redis, keys, assignment_ttl_s=60.0), redis, keys

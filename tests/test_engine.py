@@ -8,7 +8,7 @@ import pytest
 
 from engine_support import check_greedy, engine, hf_greedy, pair, prompt_ids, run_all, tokenizer
 from nightjar.messages import SamplingParams
-from worker.engine import EngineRequest
+from worker.engine.engine import EngineRequest
 
 N_TOKENS = 24
 

@@ -13,11 +13,11 @@ import pytest
 
 from engine_support import engine, pair, prompt_ids, run_all
 from nightjar.messages import Policy, SamplingParams, StepStats
-from worker.config import EngineConfig
-from worker.engine import EngineRequest, RequestOutput
-from worker.engine_proc import (FRAME_MAX_BYTES, EngineProcess, decode_command, decode_result, encode_command,
+from worker.engine.config import EngineConfig
+from worker.engine.engine import EngineRequest, RequestOutput
+from worker.host.process import (FRAME_MAX_BYTES, EngineProcess, decode_command, decode_result, encode_command,
                                 encode_result, read_frame, write_frame)
-from worker.engine_thread import Abort, Add, FollowPolicy, SetResidency, Snapshot, StepResult, UpdatePolicy
+from worker.host.thread import Abort, Add, FollowPolicy, SetResidency, Snapshot, StepResult, UpdatePolicy
 
 
 def _policy(version: int, gamma: int) -> Policy:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 from engine_support import pair, tokenizer
-from nightjar.fast_tokenizer import FastTokenizer
-from worker.detokenizer import IncrementalDetokenizer
+from nightjar.text import FastTokenizer
+from nightjar.text import IncrementalDetokenizer
 
 
 def test_direct_backend_matches_the_wrapper():

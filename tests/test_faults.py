@@ -15,7 +15,7 @@ import time
 import grpc
 import pytest
 
-from nightjar.redis_server import EmbeddedRedis
+from nightjar_tools.redis_server import EmbeddedRedis
 from nightjar.v1 import inference_pb2 as pb
 from nightjar.v1 import inference_pb2_grpc as pb_grpc
 from nightjar_client import NO_RETRY, AsyncClient, RetryPolicy

@@ -18,7 +18,7 @@ from gateway.config import GatewayConfig
 from gateway.server import Gateway
 from nightjar.keys import Keys
 from nightjar.messages import Cancel, Job, OutputChunk
-from nightjar.redis_server import EmbeddedRedis, free_port
+from nightjar_tools.redis_server import EmbeddedRedis, free_port
 from nightjar.service_util import connect_redis
 from nightjar.v1 import inference_pb2 as pb
 from nightjar.v1 import inference_pb2_grpc as pb_grpc

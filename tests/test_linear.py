@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.linear import can_pack, pack, packed_linear
-from worker.model import LlamaModel
+from worker.engine.linear import can_pack, pack, packed_linear
+from worker.engine.model import LlamaModel
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="needs oneDNN on CPU")
 
@@ -50,7 +50,7 @@ def test_packed_model_keeps_weight_bytes_and_refuses_to_move():
 
 
 def test_row_counts_are_bucketed_with_little_waste():
-    from worker.linear import padded_rows
+    from worker.engine.linear import padded_rows
 
     sizes = [padded_rows(n) for n in range(1, 513)]
     assert sizes[:16] == list(range(1, 17))  # decode and verify row counts run exactly

@@ -11,8 +11,8 @@ import torch
 
 from engine_support import check_greedy, hf_greedy, pair, prompt_ids, run_all
 from nightjar.messages import SamplingParams, StepStats
-from worker.config import EngineConfig
-from worker.engine import Engine, EngineRequest
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine, EngineRequest
 
 N_TOKENS = 24
 LENS = [8 + (i * 5) % 17 for i in range(16)]  # the engine tests' mixed lengths: references are shared
@@ -267,7 +267,7 @@ def test_engine_thread_applies_the_residency_directive_and_reports_memory(tight)
     import threading
     import time
 
-    from worker.engine_thread import EngineThread, SetResidency
+    from worker.host.thread import EngineThread, SetResidency
 
     got, seen = [], threading.Event()
 

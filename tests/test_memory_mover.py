@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine_support import pair
-from worker.draft_mover import DraftMover, Transfer, plain_copy_seconds
-from worker.model import LlamaModel
+from worker.engine.draft_mover import DraftMover, Transfer, plain_copy_seconds
+from worker.engine.model import LlamaModel
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -47,13 +47,13 @@ def test_plain_copy_reference_is_measurable():
 
 
 def _p(state, waiting, used, base=100):
-    from worker.memory import MemoryPressure
+    from worker.engine.memory import MemoryPressure
 
     return MemoryPressure(state=state, running=4, waiting=waiting, blocks_used=used, blocks_total=base, base_blocks=base)
 
 
 def test_pressure_rule_offloads_only_under_sustained_pressure_and_reloads_when_calm():
-    from worker.pressure import PressureRule
+    from worker.engine.pressure import PressureRule
 
     rule = PressureRule(offload_after=3, reload_after=4, reload_below=0.5)
     assert [rule(_p("resident", 2, 90)) for _ in range(3)] == ["resident", "resident", "offloaded"]

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nightjar import metrics as m
 from nightjar.messages import Policy, StepStats
-from nightjar.redis_server import free_port
+from nightjar_tools.redis_server import free_port
 
 
 def _scrape_text(port: int) -> str:

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from engine_support import SHIPPED_DRAFT, SHIPPED_TARGET, hf_model, random_models, shipped_available
-from worker.kv_cache import KVCache, build_paged_batch
-from worker.loader import load_config
-from worker.model import LlamaModel
+from worker.engine.kv_cache import KVCache, build_paged_batch
+from worker.engine.loader import load_config
+from worker.engine.model import LlamaModel
 
 RTOL = 1e-4
 

@@ -23,9 +23,9 @@ from gateway_support import take_job
 from gateway.config import GatewayConfig
 from gateway.server import Gateway
 from nightjar.messages import Job, OutputChunk
-from nightjar.redis_server import EmbeddedRedis
+from nightjar_tools.redis_server import EmbeddedRedis
 from nightjar.service_util import connect_redis
-from nightjar.stack import Stack, StackConfig
+from nightjar_tools.stack import Stack, StackConfig
 from nightjar.v1 import inference_pb2 as pb
 from nightjar.v1 import inference_pb2_grpc as pb_grpc
 

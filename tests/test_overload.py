@@ -9,7 +9,7 @@ import pytest
 
 import reliability_support  # noqa: F401 - puts scripts/ on sys.path (via engine_support)
 from engine_support import pair
-from nightjar.redis_server import free_port
+from nightjar_tools.redis_server import free_port
 from nightjar_client import AsyncClient
 from reliability_support import IDLE, dead_services, wait_idle
 
@@ -54,7 +54,7 @@ async def test_overload_refuses_the_excess_and_completes_every_admitted_request(
     # Admitted latency is bounded by the queue cap, not by the offered load.
     assert rep.latency_p99_s is not None and rep.latency_p99_s < 30.0, rep.latency_p99_s
     # Memory stays bounded: no service grew by more than 150 MB at the peak (the worker's share
-    # includes the oneDNN kernels compiled once per row-count bucket, worker/linear.py).
+    # includes the oneDNN kernels compiled once per row-count bucket, worker/engine/linear.py).
     for name, (before, peak, _after) in rep.rss_mb.items():
         assert peak - before < 150, f"{name}: RSS {before} MB -> peak {peak} MB"
     assert await wait_idle(stack, baseline, timeout_s=60) == baseline

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nightjar.serve import add_stack_args, stack_config
+from nightjar_tools.serve import add_stack_args, stack_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,7 @@ def test_bad_flags_say_how_to_fix_them(capsys):
 
 @pytest.mark.slow
 def test_demo_streams_a_completion_and_stops(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "nightjar.cli", "demo", "--max-tokens", "8", "--prompt", "import os\n"],
+    out = subprocess.run([sys.executable, "-m", "nightjar_tools.cli", "demo", "--max-tokens", "8", "--prompt", "import os\n"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("import os\n")
@@ -70,7 +70,7 @@ def test_demo_streams_a_completion_and_stops(tmp_path):
 
 
 def test_serve_gives_every_service_its_own_metrics_port(tmp_path, monkeypatch):
-    from nightjar.stack import metrics_port_of
+    from nightjar_tools.stack import metrics_port_of
 
     monkeypatch.setenv("NIGHTJAR_METRICS_PORT", "9100")
     p = argparse.ArgumentParser()
@@ -91,7 +91,7 @@ def test_a_service_rss_counts_its_child_processes(tmp_path):
     import sys
     import time
 
-    from nightjar.stack import Service
+    from nightjar_tools.stack import Service
 
     child = "b = bytearray(200 << 20); import time; time.sleep(60)"  # 200 MiB, zero-filled: resident
     parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"

@@ -13,7 +13,7 @@ from nightjar.messages import Policy, StepStats
 from planner_svc.__main__ import parse_config
 from planner_svc.config import PlannerConfig
 from planner_svc.service import PlannerService
-from worker.policy_view import PolicyView, follow_policy
+from worker.host.policy_view import PolicyView, follow_policy
 
 
 def step(batch: int, gamma: int, accepted: tuple[int, ...] = (), worker: str = "w1") -> StepStats:

@@ -1,4 +1,4 @@
-"""worker.policy_view: the worker's local, TTL-guarded copy of the planner's policy."""
+"""worker.host.policy_view: the worker's local, TTL-guarded copy of the planner's policy."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from nightjar.keys import Keys
 from nightjar.messages import Policy
-from worker.policy_view import PolicyView, follow_policy
+from worker.host.policy_view import PolicyView, follow_policy
 
 BOUNDS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -113,7 +113,7 @@ async def test_follow_loads_the_key_then_follows_the_channel(redis_url, key_pref
 
 
 async def test_follow_survives_a_redis_restart(key_prefix):
-    from nightjar.redis_server import EmbeddedRedis
+    from nightjar_tools.redis_server import EmbeddedRedis
 
     keys = Keys(key_prefix)
     server = EmbeddedRedis().start()

@@ -19,16 +19,16 @@ import redis as sync_redis
 from engine_support import pair
 from nightjar.keys import Keys
 from nightjar.messages import Heartbeat, Job
-from nightjar.redis_server import EmbeddedRedis
+from nightjar_tools.redis_server import EmbeddedRedis
 from nightjar.service_util import connect_redis, now_ms
 from nightjar.v1 import inference_pb2 as pb
 from pipeline_support import aio_stub, assert_same_greedy, engine_reference, prompt_texts
 from reliability_support import heartbeats, read_until_final, start_stack
 from scheduler_svc.capacity import ProgressView
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.scheduler import Scheduler
-from worker.service import WorkerService
-from worker.service_config import WorkerServiceConfig
+from scheduler_svc.dispatcher import Dispatcher
+from worker.service.loops import WorkerService
+from worker.service.config import WorkerServiceConfig
 
 
 def hb(wid: str, steps: int, running: int = 2) -> Heartbeat:
@@ -48,7 +48,7 @@ def test_progress_view_stalled_only_with_work_and_no_steps():
 async def test_a_stalled_worker_is_left_out_and_its_jobs_go_elsewhere(redis_url, key_prefix):
     redis = connect_redis(redis_url)
     keys = Keys(key_prefix)
-    sched = Scheduler(SchedulerConfig(redis_url=redis_url, key_prefix=key_prefix, consumer="s1", stall_s=0.3), redis)
+    sched = Dispatcher(SchedulerConfig(redis_url=redis_url, key_prefix=key_prefix, consumer="s1", stall_s=0.3), redis)
     await sched.ensure_group()
     try:
         for wid, steps in (("stuck", 40), ("fine", 7)):

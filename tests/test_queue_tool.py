@@ -11,7 +11,7 @@ import redis
 
 from nightjar.keys import Keys
 from nightjar.messages import DeadLetter, Heartbeat, Job, OutputChunk, Policy, StepStats
-from nightjar.queue_tool import main
+from nightjar_tools.queue_tool import main
 from planner_svc.policies.base import bucket_index
 
 
@@ -249,7 +249,7 @@ def test_watch_json_lines_and_dashboard(r, keys, q):
 
 
 def test_unreachable_redis_and_bad_flags(key_prefix):
-    from nightjar.redis_server import free_port
+    from nightjar_tools.redis_server import free_port
 
     out = io.StringIO()
     assert main(["ls", "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--prefix", key_prefix], out=out) == 1
@@ -258,7 +258,7 @@ def test_unreachable_redis_and_bad_flags(key_prefix):
 
 
 def test_password_flag(key_prefix):
-    from nightjar.redis_server import EmbeddedRedis
+    from nightjar_tools.redis_server import EmbeddedRedis
 
     with EmbeddedRedis(password="pw-123") as server:
         url = f"redis://127.0.0.1:{server.port}/0"
@@ -281,7 +281,7 @@ def test_every_view_has_help_with_defaults(capsys):
 def test_connect_tls_and_password_options():
     import redis.connection
 
-    from nightjar.queue_tool.cli import connect
+    from nightjar_tools.queue_tool.cli import connect
 
     plain = connect("redis://127.0.0.1:6379/0")
     assert plain.connection_pool.connection_class is redis.connection.Connection
@@ -294,8 +294,8 @@ def test_connect_tls_and_password_options():
 
 
 def test_error_messages_never_show_the_password(capsys):
-    from nightjar.queue_tool.cli import masked
-    from nightjar.redis_server import free_port
+    from nightjar_tools.queue_tool.cli import masked
+    from nightjar_tools.redis_server import free_port
 
     assert masked("redis://:s3cret@host:6379/0") == "redis://:***@host:6379/0"
     assert masked("rediss://user:s3cret@host:6379/0") == "rediss://user:***@host:6379/0"
@@ -348,7 +348,7 @@ def _render80(renderable) -> list[str]:
 
 
 def test_tables_fit_80_columns_and_never_cut_numbers():
-    from nightjar.queue_tool import render
+    from nightjar_tools.queue_tool import render
 
     doc = {"alive": 2, "total": 2, "workers": [
         dict(worker_id="gpu-host-0123456789-worker-with-a-long-id", alive=True, heartbeat_age_s=0.42, running=64,

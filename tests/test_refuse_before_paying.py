@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine_support import pair, tokenizer
 from gateway.validation import prompt_byte_cap
-from nightjar.stack import Stack, StackConfig
+from nightjar_tools.stack import Stack, StackConfig
 from nightjar.v1 import inference_pb2 as pb
 from nightjar.v1 import inference_pb2_grpc as pb_grpc
 from test_gateway_service import Rig, collect, config

@@ -6,8 +6,8 @@ import torch
 
 from engine_support import pair, tokenizer
 from nightjar.messages import SamplingParams
-from worker.detokenizer import IncrementalDetokenizer
-from worker.sampler import RowParams, draw_uniforms, probs_from_logits, sample
+from nightjar.text import IncrementalDetokenizer
+from worker.engine.sampler import RowParams, draw_uniforms, probs_from_logits, sample
 
 
 def test_top_k_top_p_temperature_and_greedy_rows():

@@ -1,7 +1,7 @@
 """The scheduler against a real redis-server: dispatch, dead letters, deadlines, reclaim, re-dispatch.
 
 Workers are represented by the heartbeat records they would publish (hand-built data, as
-vLLM's scheduler tests hand-build outputs); everything else is the real Scheduler on Redis.
+vLLM's scheduler tests hand-build outputs); everything else is the real Dispatcher on Redis.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from nightjar.keys import Keys
 from nightjar.messages import DeadLetter, Heartbeat, Job, OutputChunk
 from nightjar.service_util import connect_redis, now_ms
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.dispatcher import Dispatcher
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ async def env(redis_url, key_prefix):
     redis = connect_redis(redis_url)
     cfg = SchedulerConfig(redis_url=redis_url, key_prefix=key_prefix, consumer="s1", claim_idle_ms=50,
                           max_deliveries=2, read_block_ms=100)
-    sched = Scheduler(cfg, redis)
+    sched = Dispatcher(cfg, redis)
     await sched.ensure_group()
     yield sched, redis, Keys(key_prefix)
     keys = [k async for k in redis.scan_iter(match=f"{key_prefix}:*")]

@@ -120,7 +120,7 @@ def test_every_service_config_takes_password_and_tls_options():
 
 
 def test_queue_tool_takes_password_and_tls_options():
-    from nightjar.queue_tool.cli import connect
+    from nightjar_tools.queue_tool.cli import connect
 
     r = connect("redis://redis.example:6380/0", password=REDIS_PASSWORD, tls=True, tls_ca="/etc/ca.pem")
     kw = r.connection_pool.connection_kwargs

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from nightjar import paths
-from nightjar.model_check import check
-from nightjar.serve import add_stack_args, stack_config
-from nightjar.stack import Stack
+from nightjar_tools.model_check import check
+from nightjar_tools.serve import add_stack_args, stack_config
+from nightjar_tools.stack import Stack
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET, DRAFT = paths.DEFAULT_TARGET, paths.DEFAULT_DRAFT
@@ -109,8 +109,8 @@ def test_draft_with_another_tokenizer_is_one_line(tmp_path, capsys):
 
 def test_the_advertised_context_is_the_engines_real_one(tmp_path):
     """Min of target, draft and the KV cache: checked against a real engine's own figure."""
-    from worker.config import EngineConfig
-    from worker.engine import Engine
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import Engine
 
     max_pos = json.loads((TARGET / "config.json").read_text())["max_position_embeddings"]
     short_draft = copy_model(DRAFT, tmp_path / "short-draft", max_position_embeddings=max_pos // 2)
@@ -144,7 +144,7 @@ def test_pass_through_flags_reach_the_services(tmp_path):
 
 
 def test_version_and_serve_help():
-    out = subprocess.run([sys.executable, "-m", "nightjar.cli", "--version"], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-m", "nightjar_tools.cli", "--version"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.startswith("nightjar ") and out.stdout.split()[1][0].isdigit()
-    out = subprocess.run([sys.executable, "-m", "nightjar.cli", "serve", "--help"], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-m", "nightjar_tools.cli", "serve", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and "MODEL" in out.stdout and "--http-port" in out.stdout and "--api-key" in out.stdout

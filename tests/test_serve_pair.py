@@ -11,7 +11,7 @@ import pytest
 
 from engine_support import check_greedy, hf_greedy, tokenizer
 from nightjar.paths import SERVE_DRAFT, SERVE_TARGET
-from nightjar.stack import Stack, StackConfig
+from nightjar_tools.stack import Stack, StackConfig
 from pipeline_support import aio_stub, generate, prompt_texts
 
 SURFACE = Path(__file__).resolve().parents[1] / "planner_svc" / "cost_surfaces" / "cpu_serve.json"

@@ -11,8 +11,8 @@ import torch
 
 from engine_support import check_greedy, engine, hf_greedy, pair, prompt_ids, run_all, tokenizer
 from nightjar.messages import SamplingParams
-from worker.engine import EngineRequest
-from worker.stats import AcceptanceMonitor
+from worker.engine.engine import EngineRequest
+from worker.engine.acceptance import AcceptanceMonitor
 
 N_TOKENS = 24
 POISON = 1.0e4  # finite: a masked key/value must contribute exactly 0, a read one shows at once
@@ -190,7 +190,7 @@ def test_broken_draft_raises_the_alarm_in_stats():
 
 
 def test_table_policy_picks_the_bucket_at_or_below_the_batch_size():
-    from worker.speculative import table_policy
+    from worker.engine.speculative import table_policy
 
     pol = table_policy({4: 2, 1: 4, 16: 0})
     assert [pol(b) for b in (1, 2, 4, 15, 16, 64)] == [4, 4, 2, 2, 0, 0]

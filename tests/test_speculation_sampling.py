@@ -15,9 +15,9 @@ import torch
 
 from engine_support import engine, hf_model, pair, prompt_ids, run_all
 from nightjar.messages import SamplingParams
-from worker.engine import EngineRequest
-from worker.sampler import RowParams, probs_from_logits, sample
-from worker.speculative import accept_tokens
+from worker.engine.engine import EngineRequest
+from worker.engine.sampler import RowParams, probs_from_logits, sample
+from worker.engine.speculative import accept_tokens
 
 P_MIN = 1e-4  # reject "same distribution" below this chi-square p-value
 

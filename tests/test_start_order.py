@@ -19,14 +19,14 @@ from engine_support import pair
 from nightjar import paths
 from nightjar.keys import Keys
 from nightjar.messages import Job, OutputChunk
-from nightjar.redis_server import EmbeddedRedis, free_port
+from nightjar_tools.redis_server import EmbeddedRedis, free_port
 
 
 def spawn(name: str, args: list[str], log_path: Path) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("NIGHTJAR_METRICS_PORT", None)
     with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "nightjar.cli", name, *args], stdout=log, stderr=subprocess.STDOUT,
+        return subprocess.Popen([sys.executable, "-m", "nightjar_tools.cli", name, *args], stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=env, cwd=str(paths.ROOT))
 
 

@@ -16,8 +16,8 @@ from reliability_support import read_until_final
 from nightjar.keys import Keys
 from nightjar.messages import Cancel, Heartbeat, Job, OutputChunk, Policy, SamplingParams, StepStats
 from nightjar.service_util import connect_redis, now_ms
-from worker.service import WorkerService
-from worker.service_config import WorkerServiceConfig
+from worker.service.loops import WorkerService
+from worker.service.config import WorkerServiceConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -55,7 +55,7 @@ async def test_job_streams_indexed_chunks_then_is_acked_and_released(svc):
     service, redis, keys = svc
     target, _ = pair()
     ids = list(prompt_ids(target, 1)[0])
-    from worker.engine import EngineRequest
+    from worker.engine.engine import EngineRequest
 
     ref = run_all(engine(target), [EngineRequest("ref", ids, SamplingParams(max_tokens=12))])["ref"]
     await submit(redis, keys, "job1", ids, max_tokens=12)
@@ -137,7 +137,7 @@ async def test_a_redispatched_job_continues_from_what_the_client_was_sent(svc):
     service, redis, keys = svc
     target, _ = pair()
     ids = list(prompt_ids(target, 2)[1])
-    from worker.engine import EngineRequest
+    from worker.engine.engine import EngineRequest
 
     ref = run_all(engine(target), [EngineRequest("ref", ids, SamplingParams(max_tokens=16, ignore_eos=True))])["ref"]
     # A dead worker delivered 5 tokens (once twice, as after an earlier re-run) and died.

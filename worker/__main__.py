@@ -9,7 +9,7 @@ from pathlib import Path
 
 from nightjar import paths
 from nightjar.service_util import add_common_args, connect_redis, env_defaults, install_stop_handlers, run_async, setup_logging
-from worker.service_config import WorkerServiceConfig
+from worker.service.config import WorkerServiceConfig
 
 
 def parse_config(argv: list[str]) -> WorkerServiceConfig:
@@ -53,7 +53,7 @@ def parse_config(argv: list[str]) -> WorkerServiceConfig:
 
 async def serve(cfg: WorkerServiceConfig) -> int:
     from nightjar import metrics
-    from worker.service import WorkerService
+    from worker.service.loops import WorkerService
 
     metrics.use("worker", cfg.model_name)
     metrics.serve(cfg.metrics_port)

@@ -1,0 +1,300 @@
+"""``nightjar bench``: replay real and synthetic load against the stack and compare policies.
+
+Two modes:
+- compare (default): start a fresh stack per policy, calibrate, run the same workloads on each,
+  write results.json, report.md and the plots; ``--quick`` is a couple of minutes' smoke run;
+- ``--target HOST:PORT``: drive a stack that is already running (one policy, whatever it runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from nightjar import paths
+
+# The static table (each entry: γ up to that batch size) is the offline sweep's best γ ≤ 4 (the
+# planner's γmax) per batch size (BENCHMARKS.md, Speculation: scripts/bench_speculation.py on
+# this pair), i.e. vLLM's table tuned as well as a profiling run can: the strongest static
+# baseline, not a guess.
+FULL_POLICIES = ("off", "fixed:G", "threshold:4:G", "table:4=4,8=3,16=4,64=1", "ucb", "nightjar", "nightjar-nooffload")
+FULL_WORKLOADS = ("burst@30", "azure_conv@25", "poisson:0.3@10", "poisson:1.5@15")
+# --headline: every peer's γ policy on every workload the goals name, runs long enough to beat the
+# machine's drift (>= 2 min per dynamic trace), three interleaved repeats.
+HEADLINE_POLICIES = ("off", "fixed:G", "threshold:4:G", "table:4=4,8=3,16=4,64=1", "ucb", "heuristic", "ema", "nightjar",
+                     "nightjar-nooffload")
+HEADLINE_WORKLOADS = ("burst@120", "oscillation@120", "ramp@120", "azure_conv@120", "azure_code@120", "poisson:0.3@60",
+                      "poisson:1.5@60")
+QUICK_POLICIES = ("fixed:G", "nightjar")
+QUICK_WORKLOADS = ("burst@20",)
+# Timelines copied into --plots-dir (every run's timeline stays in the output folder).
+HEADLINE_TIMELINES = ("nightjar", "fixed")
+
+
+def _workload(text: str):
+    from nightjar_tools.bench.compare import WorkloadPlan
+
+    spec, at, dur = text.partition("@")
+    try:
+        duration = float(dur) if at else 30.0
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"workload {text!r}: expected SPEC@SECONDS, e.g. burst@40") from None
+    if duration <= 0:
+        raise argparse.ArgumentTypeError(f"workload {text!r}: duration must be > 0")
+    return WorkloadPlan(spec, duration)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nightjar bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="smoke run: fixed-γ vs nightjar on a 20 s burst (a few minutes)")
+    mode.add_argument("--headline", action="store_true",
+                      help="the whole headline matrix: every peer policy (incl. ema, heuristic) on burst, oscillation, "
+                           "ramp, the Azure replays and steady low/overload, 3 repeats (hours; progress and ETA on stderr)")
+    p.add_argument("--target", default=None, help="HOST:PORT of a running stack (no restarts, no comparison)")
+    p.add_argument("--redis-url", default=None, help="with --target: the stack's Redis, for the engine-side metrics")
+    p.add_argument("--key-prefix", default="nj")
+    p.add_argument("--policies", nargs="+", default=None,
+                   help="policy specs; G stands for the calibrated best γ at batch 1 (default: the full set)")
+    p.add_argument("--workloads", nargs="+", type=_workload, default=None,
+                   help="SPEC@SECONDS: poisson:ρ, rates:ρ1,ρ2,..., burst, ramp, oscillation, azure_conv, azure_code, "
+                        "closed:C (C clients in a closed loop, 64-token requests; SECONDS counted after a 10 s warm-up)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-scale", type=float, default=0.25, help="× the trace's prompt lengths")
+    p.add_argument("--output-scale", type=float, default=0.25, help="× the trace's output lengths")
+    p.add_argument("--max-output", type=int, default=64, help="cap on a request's output tokens after scaling")
+    p.add_argument("--draft-share", type=float, default=0.6,
+                   help="size the worker's KV budget so the draft's weights are this share of it (the memory work's "
+                        "overload scenario); 0 = the engine's default budget")
+    p.add_argument("--kv-budget-bytes", type=int, default=None, help="worker KV budget in bytes (overrides --draft-share)")
+    p.add_argument("--target-model", type=Path, default=paths.DEFAULT_TARGET, help="the workers' target model folder")
+    p.add_argument("--draft-model", type=Path, default=paths.DEFAULT_DRAFT,
+                   help="the workers' draft model folder (--draft-share is of its weights)")
+    p.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker (1 avoids OpenMP stalls on a busy machine)")
+    p.add_argument("--worker-arg", action="append", default=[], help="extra worker argument (repeatable), e.g. --worker-arg=--max-running=32")
+    p.add_argument("--capacity-rps", type=float, default=None, help="skip the capacity probe")
+    p.add_argument("--calibration", type=Path, default=None,
+                   help="reuse the capacity and γ of an earlier results.json (skips both probes)")
+    p.add_argument("--fixed-gamma", type=int, default=None, help="skip the batch-1 γ probe (quick mode uses 3)")
+    p.add_argument("--drain-timeout-s", type=float, default=None, help="after the last arrival, cancel what is left after this")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default runs/bench/UTC-STAMP)")
+    p.add_argument("--plots-dir", type=Path, default=None, help="also copy the headline plots here (e.g. docs/bench)")
+    p.add_argument("--repeats", type=int, default=1, help="repeat the policy sweep (interleaved) for the ratios' spread")
+    p.add_argument("--report", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
+                   help="run nothing: merge earlier results.json files (each one a repeat) into one report and plots")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    from nightjar_tools.bench.workload import LengthScale
+
+    try:
+        scale = LengthScale(prompt=a.prompt_scale, output=a.output_scale, max_output=a.max_output)
+    except ValueError as exc:
+        p.error(str(exc))
+    out = a.out or Path("runs/bench") / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    if a.report:
+        return _merge(a, p, out)
+    if a.target:
+        return _against_running(a, p, scale, out)
+    return _compare(a, p, scale, out)
+
+
+def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path) -> int:
+    from nightjar_tools.bench import plots, report
+    from nightjar_tools.bench.compare import CompareConfig, run_comparison
+
+    default_policies, default_workloads = ((QUICK_POLICIES, QUICK_WORKLOADS) if a.quick else
+                                           (HEADLINE_POLICIES, HEADLINE_WORKLOADS) if a.headline else
+                                           (FULL_POLICIES, FULL_WORKLOADS))
+    policies = tuple(a.policies or default_policies)
+    workloads = tuple(a.workloads or [_workload(w) for w in default_workloads])
+    if a.headline and a.repeats == 1:
+        a.repeats = 3
+    fixed_gamma = a.fixed_gamma if a.fixed_gamma is not None else (3 if a.quick else None)
+    capacity = a.capacity_rps
+    if a.calibration is not None:
+        from nightjar_tools.bench.compare import load_calibration
+
+        try:
+            cal = load_calibration(a.calibration)
+        except (OSError, ValueError, KeyError) as exc:
+            p.error(f"--calibration {a.calibration}: {exc}")
+        capacity = capacity or cal["capacity_rps"]
+        fixed_gamma = fixed_gamma if a.fixed_gamma is not None else cal["fixed_gamma"]
+    kv_budget = a.kv_budget_bytes
+    if kv_budget is None and a.draft_share:
+        from nightjar_tools.bench.compare import kv_budget_for_share
+
+        try:
+            kv_budget = kv_budget_for_share(a.draft_share, a.draft_model)
+        except ValueError as exc:
+            p.error(str(exc))
+    try:
+        cfg = CompareConfig(policies=policies, workloads=workloads, out_dir=out, seed=a.seed, scale=scale,
+                            drain_timeout_s=a.drain_timeout_s or (15.0 if a.quick else 20.0), kv_budget_bytes=kv_budget,
+                            worker_args=tuple(a.worker_arg), target_model=a.target_model, draft_model=a.draft_model,
+                            worker_threads=a.worker_threads, capacity_rps=capacity, fixed_gamma=fixed_gamma,
+                            capacity_probe_s=12.0 if a.quick else 20.0, repeats=a.repeats, progress=not a.no_progress)
+    except ValueError as exc:
+        p.error(str(exc))
+    t0 = time.monotonic()
+    print(f"bench: KV budget {'engine default' if cfg.kv_budget_bytes is None else f'{cfg.kv_budget_bytes / 2**20:.1f} MiB'}",
+          file=sys.stderr)
+    try:
+        cmp = run_comparison(cfg, log=lambda m: print(f"bench: {m}", file=sys.stderr, flush=True))
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"bench: the stack failed: {exc}", file=sys.stderr)
+        return 1
+    payload = cmp.payload()
+    report.write_json(out / "results.json", payload)
+    md = render(payload, time.monotonic() - t0)
+    (out / "report.md").write_text(md)
+    _plots(payload, out, a.plots_dir)
+    print(md)
+    print(f"bench: results in {out}", file=sys.stderr)
+    return 0
+
+
+def merge_payloads(payloads: list[dict]) -> dict:
+    """Earlier comparisons as repeats of one: runs renumbered, goals recomputed across them.
+
+    They must share the calibration (``--calibration`` of the first), or their workloads differ."""
+    from nightjar_tools.bench import report
+
+    first = payloads[0]
+    caps = {round(pl["calibration"]["capacity_rps"], 6) for pl in payloads}
+    if len(caps) > 1:
+        raise ValueError(f"the results were run at different capacities {sorted(caps)}: rerun with --calibration FIRST/results.json")
+    runs, samples, rep = [], {}, 0
+    for pl in payloads:
+        reps = sorted({r.get("repeat", 0) for r in pl["runs"]})
+        for k in reps:
+            for r in pl["runs"]:
+                if r.get("repeat", 0) == k:
+                    runs.append({**r, "repeat": rep})
+            rep += 1
+        for key, s in pl["samples"].items():
+            policy, workload, *_ = key.split("|")
+            samples.setdefault(f"{policy}|{workload}", s)  # timelines of the first repeat
+    kinds = {r["workload"]: r["kind"] for r in runs}
+    return {**first, "runs": runs, "samples": samples, "goals": report.goal_rows(runs, kinds), "merged_from": rep}
+
+
+def _merge(a: argparse.Namespace, p: argparse.ArgumentParser, out: Path) -> int:
+    import json
+
+    from nightjar_tools.bench import report
+
+    try:
+        payloads = [json.loads(path.read_text()) for path in a.report]
+        payload = merge_payloads(payloads)
+    except (OSError, ValueError, KeyError) as exc:
+        p.error(f"--report: {exc}")
+    report.write_json(out / "results.json", payload)
+    md = render(payload)
+    (out / "report.md").write_text(md)
+    _plots(payload, out, a.plots_dir)
+    print(md)
+    print(f"bench: merged {len(a.report)} result files in {out}", file=sys.stderr)
+    return 0
+
+
+def render(payload: dict, wall_s: float | None = None) -> str:
+    from nightjar_tools.bench import report
+
+    cal = payload["calibration"]
+    lines = [f"Capacity (γ = 0, saturated): {cal['capacity_rps']:.3f} req/s; best γ at batch 1: {cal['fixed_gamma']}."]
+    if cal.get("gamma_probe"):
+        lines.append("\n| γ | batch-1 tokens/s | acceptance |\n|---|---|---|")
+        for g, row in sorted(cal["gamma_probe"].items(), key=lambda kv: int(kv[0])):
+            acc = row.get("acceptance")
+            lines.append(f"| {g} | {row['tokens_per_s']:.1f} | {'–' if acc is None else f'{acc:.2f}'} |")
+    for note in cal.get("notes", []):
+        lines.append(f"\nNote: {note}")
+    lines += ["", report.markdown_summary(payload["runs"]), report.markdown_goals(payload["goals"]),
+              "", "Every run:", "", report.markdown_runs(payload["runs"])]
+    if wall_s is not None:
+        lines.append(f"\nWall time {wall_s / 60:.1f} min.")
+    return "\n".join(lines) + "\n"
+
+
+def _plots(payload: dict, out: Path, plots_dir: Path | None) -> None:
+    from nightjar_tools.bench import plots
+
+    cap = payload["calibration"]["capacity_rps"]
+    made = []
+    for key, samples in payload["samples"].items():
+        policy, workload, *rep = key.split("|")
+        if rep:  # timelines of the first repeat only
+            continue
+        name = f"timeline_{_slug(policy)}_{_slug(workload)}.png"
+        made.append((policy, plots.timeline(samples, out / "plots" / name, f"{policy} — {workload}", cap)))
+    policies = [r["policy"] for r in payload["runs"]]
+    base = next((p for p in policies if p.startswith("fixed")), policies[0] if policies else None)
+    # Raw runs: the chart averages repeats itself and shows their spread.
+    bars = plots.comparison_bars(payload["runs"], out / "plots" / "comparison.png", base, "Policies on the real stack") if base else None
+    if plots_dir is not None:
+        plots_dir.mkdir(parents=True, exist_ok=True)
+        for policy, path in made:
+            if policy.split(":", 1)[0] in HEADLINE_TIMELINES:
+                shutil.copy(path, plots_dir / path.name)
+        if bars:
+            shutil.copy(bars, plots_dir / bars.name)
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in text)
+
+
+def _against_running(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path) -> int:
+    from nightjar_tools.bench import plots, report
+    from nightjar_tools.bench.loadgen import LoadConfig, run_load
+    from nightjar_tools.bench.probe import StackProbe, summarize_steps
+    from nightjar_tools.bench.workload import PromptBank, build
+
+    if a.capacity_rps is None:
+        p.error("--target needs --capacity-rps (the stack's saturated request rate; a compare run measures it)")
+    workloads = a.workloads or [_workload(w) for w in (QUICK_WORKLOADS if a.quick else FULL_WORKLOADS)]
+    bank = PromptBank()
+    runs, samples = [], {}
+
+    async def go() -> None:
+        for plan in workloads:
+            wl = build(plan.spec, a.capacity_rps, plan.duration_s, seed=a.seed, scale=scale)
+            probe = StackProbe(a.redis_url, a.key_prefix) if a.redis_url else None
+            if probe:
+                await probe.start()
+            cfg = LoadConfig(target=a.target, max_duration_s=plan.duration_s, drain_timeout_s=a.drain_timeout_s or 30.0,
+                             seed=a.seed, progress=not a.no_progress, label=plan.spec)
+            try:
+                res = await run_load(wl, bank.texts(wl, a.seed), cfg, probe=probe)
+                steps = None
+                if probe:
+                    await probe.read_steps()
+                    steps = summarize_steps(probe.steps, (res.started_unix + wl.warmup_s) * 1000)
+            finally:
+                if probe:
+                    await probe.close()
+            run = report.summarize(res, steps, warmup_s=wl.warmup_s)
+            run.update(policy="(running stack)", kind=plan.kind)
+            runs.append(run)
+            samples[f"(running stack)|{plan.spec}"] = res.samples
+
+    asyncio.run(go())
+    payload = {"calibration": {"capacity_rps": a.capacity_rps, "fixed_gamma": a.fixed_gamma or 0}, "runs": runs, "goals": [],
+               "samples": samples}
+    report.write_json(out / "results.json", payload)
+    for key, s in samples.items():
+        plots.timeline(s, out / "plots" / f"timeline_{_slug(key)}.png", key, a.capacity_rps)
+    print(report.markdown_runs(runs))
+    print(f"bench: results in {out}", file=sys.stderr)
+    return 0

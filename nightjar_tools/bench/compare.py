@@ -1,0 +1,413 @@
+"""Compare: the same workloads against a freshly started stack per policy, side by side.
+
+Every policy gets a new ``Stack`` (embedded Redis, gateway, scheduler, planner ``--policy``,
+workers) with the same seed, workloads, models and memory budget, is warmed up with two short
+requests, and then runs the workloads in the same order; the stack drains between workloads.
+With ``repeats`` the whole sweep runs again, policies interleaved.
+
+Calibration first: unless γ is given, a stack without a planner runs γ = 0…4 one request at a
+time, the bench publishing each fixed policy itself (the γ that decodes fastest at batch 1 is
+what standard speculative decoding would run: ``fixed:G``), then a closed-loop probe at γ = 0
+measures the saturated capacity that the workloads' loads are multiples of. When γ is given,
+the capacity probe runs on the first policy's stack instead (one stack start fewer)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import struct
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from nightjar import paths
+from nightjar_tools.bench import report
+from nightjar_tools.bench.loadgen import LoadConfig, LoadResult, model_info, run_load
+from nightjar_tools.bench.probe import StackProbe, summarize_steps
+from nightjar_tools.bench.workload import LengthScale, PromptBank, Workload, build
+from nightjar.keys import Keys
+from nightjar.messages import Policy
+from nightjar_tools.stack import Stack, StackConfig
+from planner_svc.config import PlannerConfig
+from planner_svc.simulator.trace import synthetic_lengths
+
+PLANNER_GAMMA_MAX = PlannerConfig.gamma_max  # the planner's default --gamma-max: a fixed:G above it would be refused
+
+
+def kind_of(spec: str) -> str:
+    """How a workload counts for the goals: dynamic, low (steady), overload (steady) or sweep."""
+    if spec.startswith("poisson:"):
+        rho = float(spec.split(":", 1)[1])
+        return "low" if rho <= 0.5 else "overload" if rho >= 1.0 else "steady"
+    if spec.startswith("rates:"):
+        return "sweep"
+    if spec.startswith("closed:"):
+        return "closed"
+    return "dynamic"
+
+
+@dataclass(frozen=True)
+class WorkloadPlan:
+    spec: str
+    duration_s: float
+
+    @property
+    def kind(self) -> str:
+        return kind_of(self.spec)
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    policies: tuple[str, ...]
+    workloads: tuple[WorkloadPlan, ...]
+    out_dir: Path
+    seed: int = 0
+    scale: LengthScale = LengthScale()
+    drain_timeout_s: float = 30.0
+    kv_budget_bytes: int | None = None  # the worker's KV budget (the memory overload scenario's)
+    worker_args: tuple[str, ...] = ()
+    planner_args: tuple[str, ...] = ()
+    target_model: Path = paths.DEFAULT_TARGET
+    draft_model: Path = paths.DEFAULT_DRAFT
+    workers: int = 1
+    # torch threads per worker. 1, not cores ÷ workers: on a shared 2-core machine two OpenMP
+    # threads that wait on each other's barrier made a step 13× slower (measured: 25 ms -> 340 ms).
+    worker_threads: int = 1
+    capacity_rps: float | None = None  # skip the capacity probe
+    fixed_gamma: int | None = None  # skip the batch-1 γ probe
+    gamma_probe_tokens: int = 32
+    gamma_probe_requests: int = 8  # single requests per γ, on the same prompts for every γ (3 ranked γ by noise)
+    capacity_probe_concurrency: int = 32  # requests kept in flight by the capacity probe (throughput still grows past 16 on CPU)
+    capacity_probe_s: float = 20.0
+    capacity_probe_warmup_s: float = 4.0  # the first prefills and the batch filling up are not steady state
+    progress: bool = True
+    repeats: int = 1  # the whole policy sweep, repeated (fresh stacks each time)
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
+        if not self.policies:
+            raise ValueError("give at least one --policies entry")
+        if not self.workloads:
+            raise ValueError("give at least one --workloads entry")
+        if self.gamma_probe_requests < 1:
+            raise ValueError(f"gamma_probe_requests must be >= 1, got {self.gamma_probe_requests}")
+        if self.capacity_rps is not None and not self.capacity_rps > 0:
+            raise ValueError(f"--capacity-rps must be > 0, got {self.capacity_rps}")
+
+    def stack_config(self, policy: str, log_dir: Path, planner: bool = True) -> StackConfig:
+        args = list(self.worker_args)
+        if self.kv_budget_bytes:
+            args += ["--kv-budget-bytes", str(self.kv_budget_bytes)]
+        # Same exploration seed for every learning policy, so a rerun repeats its choices.
+        planner_args = ("--seed", str(self.seed), *self.planner_args)
+        return StackConfig(port=0, workers=self.workers, policy=policy, planner=planner, worker_args=tuple(args),
+                           target_path=self.target_model, draft_path=self.draft_model,
+                           worker_threads=self.worker_threads,
+                           planner_args=planner_args, log_dir=log_dir, log_level="WARNING")
+
+
+def policy_order(policies: tuple[str, ...], rep: int) -> tuple[str, ...]:
+    """The policies in the order repeat ``rep`` runs them. Repeats interleave the policies, so a
+    change in the machine's load hits them all alike; odd repeats run them in reverse, so that a
+    steady drift in the machine's speed (seen: 1.3× slower steps 15 min later) cancels out of the
+    repeat-averaged ratios instead of favouring whoever runs first."""
+    return policies if rep % 2 == 0 else policies[::-1]
+
+
+def speed_probe_ms(rounds: int = 7) -> float:
+    """Median ms of a fixed CPU task (a Python loop and small float32 matmuls, like a small
+    model's decode step), taken while the stack is idle: a run's figure for how fast the machine
+    was, since fresh stacks on a shared machine differ by more than the policies do."""
+    a = np.ones((32, 256), np.float32)  # small enough that BLAS stays on one thread
+    b = np.ones((256, 256), np.float32)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        x = 0
+        for i in range(100_000):
+            x += i & 7
+        for _ in range(50):
+            a @ b
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def draft_weight_bytes(model_dir: Path = paths.DEFAULT_DRAFT, dtype_bytes: int = 4) -> int:
+    """Bytes of the draft's weights on the device: parameters (from the safetensors header,
+    no torch needed) × the worker's element size (float32 by default)."""
+    total = 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    if total == 0:
+        raise ValueError(f"{model_dir} holds no *.safetensors weights")
+    return total * dtype_bytes
+
+
+def kv_budget_for_share(share: float, model_dir: Path = paths.DEFAULT_DRAFT) -> int:
+    """The KV budget (target + draft pools) of which the draft's weights are ``share``: the
+    memory work's overload scenario (an 8B target with a 1B draft on a 24 GB card gains ~60%
+    more KV when the draft leaves)."""
+    if not 0 < share <= 4:
+        raise ValueError(f"--draft-share must be in (0, 4], got {share}")
+    return int(draft_weight_bytes(model_dir) / share)
+
+
+def resolve_policy(spec: str, fixed_gamma: int) -> str:
+    """Policy specs may say ``G`` for the calibrated best γ at batch 1 (``fixed:G``, ``threshold:4:G``)."""
+    return spec.replace(":G", f":{fixed_gamma}")
+
+
+# --------------------------------------------------------------------------- one run
+
+
+async def run_on_stack(stack: Stack, workload: Workload, prompts: list[str], cfg: CompareConfig, label: str) -> tuple[LoadResult, dict]:
+    probe = StackProbe(stack.redis_url, stack.cfg.key_prefix)
+    try:
+        await probe.start()
+        load_cfg = LoadConfig(target=stack.address, max_duration_s=workload.duration_s, drain_timeout_s=cfg.drain_timeout_s,
+                              seed=cfg.seed, progress=cfg.progress, label=label)
+        result = await run_load(workload, prompts, load_cfg, probe=probe)
+        await probe.read_steps()
+        return result, summarize_steps(probe.steps, (result.started_unix + workload.warmup_s) * 1000)
+    finally:
+        await probe.close()
+
+
+async def wait_idle(stack: Stack, timeout_s: float = 30.0) -> bool:
+    """Until every worker reports nothing running or waiting (the previous run's stragglers)."""
+    probe = StackProbe(stack.redis_url, stack.cfg.key_prefix)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            hbs = await probe.heartbeats()
+            if hbs and all(h.running == 0 and h.waiting == 0 for h in hbs):
+                return True
+            await asyncio.sleep(0.5)
+        return False
+    finally:
+        await probe.close()
+
+
+def _fixed_workload(n: int, prompt_tokens: int, output_tokens: int, gap_s: float = 0.0) -> Workload:
+    return Workload("fixed", np.arange(n) * gap_s, np.full(n, prompt_tokens), np.full(n, output_tokens), max(n * gap_s, 1.0), 1.0)
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+async def _publish(stack: Stack, gamma: int, version: int) -> None:
+    import redis.asyncio as aioredis
+
+    keys = Keys(stack.cfg.key_prefix)
+    pol = Policy(version=version, unix_ms=int(time.time() * 1000), ttl_s=3600.0, bucket_upper_bounds=(1,),
+                 gamma_by_bucket=(gamma,), name=f"bench-calibration-{gamma}")
+    r = aioredis.Redis.from_url(stack.redis_url)
+    try:
+        await r.set(keys.policy, pol.encode())
+        await r.publish(keys.policy_channel, pol.encode())
+    finally:
+        await r.aclose()
+
+
+async def probe_gamma(stack: Stack, cfg: CompareConfig, bank: PromptBank, gamma_max: int) -> dict:
+    """The γ that decodes one request fastest; needs a stack without a planner (it publishes)."""
+    out: dict = {"gamma_probe": {}, "notes": []}
+    best, best_tps = 0, -1.0
+    for g in range(min(gamma_max, PLANNER_GAMMA_MAX) + 1):
+        await _publish(stack, g, version=1000 + g)
+        await asyncio.sleep(1.5)  # the worker follows the policy channel; let it switch
+        wl = _fixed_workload(1, 32, cfg.gamma_probe_tokens)
+        prompt_rng = np.random.default_rng(cfg.seed)  # the same prompts for every γ
+        decode_s = decoded = 0.0
+        acc_runs = []
+        for rep in range(cfg.gamma_probe_requests):
+            res, steps = await run_on_stack(stack, wl, [bank.text(32, prompt_rng)], _quiet(cfg), f"γ={g}#{rep}")
+            rec = res.records[0]
+            if rec.ok and rec.itl_s:
+                # decode time after the first token (no prefill, no queue), pooled over requests
+                decode_s += rec.itl_s * (rec.completion_tokens - 1)
+                decoded += rec.completion_tokens - 1
+            if steps.get("acceptance") is not None:
+                acc_runs.append(steps["acceptance"])
+        tps = decoded / decode_s if decode_s else 0.0
+        acceptance = float(np.mean(acc_runs)) if acc_runs else None
+        out["gamma_probe"][g] = {"tokens_per_s": tps, "acceptance": acceptance,
+                                 "spec_step_share": steps.get("spec_step_share"), "mean_batch": steps.get("mean_batch")}
+        if g > 0 and not steps.get("spec_step_share"):
+            out["notes"].append(f"γ={g} was published but no step ran with γ > 0: the worker did not follow the policy")
+        if tps > best_tps:
+            best, best_tps = g, tps
+    out["fixed_gamma"] = int(best)
+    out["gamma_probe_note"] = (f"batch-1 decode tokens/s after the first token, per γ, pooled over {cfg.gamma_probe_requests} "
+                               "single requests on the same prompts")
+    await _publish(stack, 0, version=2000)  # the capacity probe that may follow runs at γ = 0
+    await asyncio.sleep(1.5)
+    return out
+
+
+async def probe_capacity(stack: Stack, cfg: CompareConfig, bank: PromptBank) -> dict:
+    """Saturated request rate with the workloads' length mix, measured closed-loop.
+
+    Many requests arrive at once but the client keeps only ``capacity_probe_concurrency`` in
+    flight (a finished one is replaced at once), so the stack stays saturated with a steady
+    batch; after ``capacity_probe_s`` the rest is cancelled. The token rate after a warm-up of
+    ``capacity_probe_warmup_s`` (prefills included, as in the real workloads) ÷ the mix's mean
+    output length is the capacity in requests/s.
+    """
+    n = 400  # more than the probe can finish: it is cut off by time
+    p, o = cfg.scale.apply(*synthetic_lengths(np.random.default_rng(cfg.seed + 1), n))
+    wl = Workload("capacity-probe", np.zeros(n), p, o, 1.0, 1.0)
+    load_cfg = LoadConfig(target=stack.address, max_duration_s=1.0, drain_timeout_s=cfg.capacity_probe_s,
+                          max_in_flight=cfg.capacity_probe_concurrency, seed=cfg.seed, progress=False, label="capacity")
+    probe = StackProbe(stack.redis_url, stack.cfg.key_prefix)
+    try:
+        await probe.start()
+        res = await run_load(wl, bank.texts(wl, cfg.seed), load_cfg, probe=probe)
+        await probe.read_steps()
+        steps = summarize_steps(probe.steps)
+    finally:
+        await probe.close()
+    mix_p, mix_o = cfg.scale.apply(*synthetic_lengths(np.random.default_rng(0), 20000))
+    warm = [x["tokens_per_s"] for x in res.samples if x["t"] >= cfg.capacity_probe_warmup_s]
+    tps = float(np.mean(warm)) if warm else 0.0
+    if tps <= 0:
+        raise RuntimeError(f"the capacity probe saw no tokens in {cfg.capacity_probe_s:.0f} s; see the logs in {stack.log_dir}")
+    return {"capacity_rps": tps / float(mix_o.mean()),
+            "capacity_probe": {"saturated_tokens_per_s": tps, "concurrency": cfg.capacity_probe_concurrency,
+                               "finished": sum(r.ok for r in res.records), "mean_output_tokens": float(mix_o.mean()),
+                               "mean_prompt_tokens": float(mix_p.mean()), "mean_batch": steps.get("mean_batch"),
+                               "gamma_share": steps.get("spec_step_share"), "seconds": cfg.capacity_probe_s}}
+
+
+def _quiet(cfg: CompareConfig) -> CompareConfig:
+    return replace(cfg, progress=False)
+
+
+# --------------------------------------------------------------------------- the comparison
+
+
+@dataclass
+class Comparison:
+    cfg: CompareConfig
+    calibration: dict = field(default_factory=dict)
+    runs: list[dict] = field(default_factory=list)
+    samples: dict[str, list[dict]] = field(default_factory=dict)  # "policy|workload" -> timeline
+    stack_start_s: dict[str, float] = field(default_factory=dict)
+    started_unix: float = 0.0
+
+    def payload(self) -> dict:
+        kinds = {w.spec: w.kind for w in self.cfg.workloads}
+        return {"config": {"policies": self.cfg.policies, "workloads": [(w.spec, w.duration_s) for w in self.cfg.workloads],
+                           "seed": self.cfg.seed, "scale": self.cfg.scale.__dict__, "kv_budget_bytes": self.cfg.kv_budget_bytes,
+                           "target_model": str(self.cfg.target_model), "draft_model": str(self.cfg.draft_model),
+                           "draft_weight_bytes": draft_weight_bytes(self.cfg.draft_model),
+                           "drain_timeout_s": self.cfg.drain_timeout_s, "workers": self.cfg.workers,
+                           "worker_threads": self.cfg.worker_threads, "worker_args": self.cfg.worker_args},
+                "started_unix": self.started_unix, "calibration": self.calibration, "stack_start_s": self.stack_start_s,
+                "runs": self.runs, "goals": report.goal_rows(self.runs, kinds), "samples": self.samples}
+
+
+def run_comparison(cfg: CompareConfig, log=print) -> Comparison:
+    return asyncio.run(_run_comparison(cfg, log))
+
+
+class _Running:
+    """A Stack started and stopped off the event loop (both block for seconds)."""
+
+    def __init__(self, cfg: StackConfig) -> None:
+        self.stack = Stack(cfg)
+
+    async def __aenter__(self) -> Stack:
+        await asyncio.to_thread(self.stack.start)
+        return self.stack
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.stack.stop)
+
+
+async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
+    cmp = Comparison(cfg, started_unix=time.time())
+    bank = PromptBank()
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    cal: dict = {"notes": [], "fixed_gamma": cfg.fixed_gamma, "capacity_rps": cfg.capacity_rps}
+    # Closed loops need no capacity, and explicit γs no batch-1 γ probe: skip what nothing uses.
+    if all(w.spec.startswith("closed:") for w in cfg.workloads) and cal["capacity_rps"] is None:
+        cal["capacity_rps"] = 1.0
+        cal["notes"].append("closed-loop workloads only: no capacity probe")
+    if cal["fixed_gamma"] is None and not any(":G" in p for p in cfg.policies):
+        cal["fixed_gamma"] = 0
+        cal["notes"].append("no policy names G: no batch-1 γ probe")
+    if cal["fixed_gamma"] is None or cal["capacity_rps"] is None:
+        # γ probe (and the capacity at γ = 0) on a stack without a planner: the bench publishes.
+        async with _Running(cfg.stack_config("off", cfg.out_dir / "logs" / "calibration", planner=False)) as stack:
+            info = await model_info(stack.address)
+            log(f"calibrating on {stack.address} (model {info.model}, draft {info.draft_model or 'none'}, γmax {info.gamma_max})")
+            if cal["fixed_gamma"] is None:
+                g = await probe_gamma(stack, cfg, bank, info.gamma_max)
+                cal["notes"] += g.pop("notes")
+                cal.update(g)
+            if cal["capacity_rps"] is None:
+                cal.update(await probe_capacity(stack, cfg, bank))
+    cmp.calibration = cal
+    workloads: list[Workload] = []
+    prompts: list[list[str]] = []
+
+    def plan_workloads() -> None:
+        cap = cal["capacity_rps"]
+        log(f"capacity {cap:.3f} req/s; best γ at batch 1: {cal['fixed_gamma']}")
+        workloads[:] = [build(w.spec, cap, w.duration_s, seed=cfg.seed, scale=cfg.scale) for w in cfg.workloads]
+        prompts[:] = [bank.texts(wl, cfg.seed) for wl in workloads]
+
+    if cal["capacity_rps"] is not None:
+        plan_workloads()
+    gamma = cal["fixed_gamma"]
+    total, t_start = cfg.repeats * len(cfg.policies), time.monotonic()
+    for rep in range(cfg.repeats):
+        for i, spec in enumerate(policy_order(cfg.policies, rep)):
+            policy = resolve_policy(spec, gamma)
+            await _one_policy(cmp, cfg, policy, rep, bank, workloads, prompts, plan_workloads, log)
+            done = rep * len(cfg.policies) + i + 1
+            eta_s = (time.monotonic() - t_start) / done * (total - done)
+            log(f"progress {done}/{total} stacks" + (f", ETA {eta_s / 60:.0f} min" if done < total else ""))
+    return cmp
+
+
+async def _one_policy(cmp: Comparison, cfg: CompareConfig, policy: str, rep: int, bank: PromptBank,
+                      workloads: list[Workload], prompts: list[list[str]], plan_workloads, log) -> None:
+    cal = cmp.calibration
+    t0 = time.monotonic()
+    safe = policy.replace(":", "_").replace(",", "_").replace("=", "-") + (f"-r{rep}" if rep else "")
+    async with _Running(cfg.stack_config(policy, cfg.out_dir / "logs" / safe)) as stack:
+        cmp.stack_start_s[f"{policy}#{rep}"] = time.monotonic() - t0
+        if not workloads:  # γ was given: measure the capacity on the first policy's stack
+            cal.update(await probe_capacity(stack, cfg, bank))
+            cal["notes"].append(f"capacity measured under policy {policy}")
+            plan_workloads()
+        await run_on_stack(stack, _fixed_workload(2, 16, 8), [bank.text(16, np.random.default_rng(1))] * 2, _quiet(cfg), "warmup")
+        for plan, wl, texts in zip(cfg.workloads, workloads, prompts):
+            if not await wait_idle(stack):
+                log(f"policy {policy}: the stack was still busy after 30 s; starting {plan.spec} anyway")
+            shape = (f"{wl.clients} clients, {plan.duration_s:.0f} s after {wl.warmup_s:.0f} s of warm-up" if wl.clients
+                     else f"{len(wl)} requests over {plan.duration_s:.0f} s")
+            log(f"policy {policy} (repeat {rep + 1}/{cfg.repeats}): workload {plan.spec} ({shape})")
+            speed = speed_probe_ms()
+            result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | {plan.spec}")
+            run = report.summarize(result, steps, warmup_s=wl.warmup_s)
+            # The machine is shared: its load average says how noisy this run's figures are.
+            run.update(policy=policy, kind=plan.kind, repeat=rep, loadavg_1m=os.getloadavg()[0], speed_probe_ms=speed)
+            cmp.runs.append(run)
+            cmp.samples[f"{policy}|{plan.spec}" + (f"|r{rep}" if rep else "")] = result.samples
+            report.write_json(cfg.out_dir / "results.json", cmp.payload())
+
+
+def load_calibration(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    return data.get("calibration", data)

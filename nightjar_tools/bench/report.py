@@ -1,0 +1,237 @@
+"""Report: per-run metrics from the load generator's records, the JSON file, the markdown tables,
+and the headline ratios checked against the project's goals.
+
+Throughput is output tokens delivered ÷ makespan (first send to last completion, as vLLM's
+``benchmark_serving`` measures it), so under an identical open-loop arrival schedule a policy
+that keeps up finishes sooner. Latencies are client-side (the gRPC stream as a user sees it).
+Inter-token latency is per request (last token − first token) ÷ (tokens − 1), then averaged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from nightjar_tools.bench.loadgen import LoadResult
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation (numpy's default); None if empty."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def stats(values: list[float]) -> dict:
+    xs = [v for v in values if v is not None]
+    return {"mean": sum(xs) / len(xs) if xs else None, "p50": percentile(xs, 50), "p99": percentile(xs, 99), "n": len(xs)}
+
+
+def summarize(result: LoadResult, step_summary: dict | None = None, warmup_s: float = 0.0) -> dict:
+    """warmup_s: requests sent before it are left out (a closed loop's warm-up); the makespan
+    then starts at warmup_s."""
+    recs = [r for r in result.records if r.status == "not_sent" or r.sent_s >= warmup_s]
+    ok = [r for r in recs if r.ok]
+    sent = [r for r in recs if r.status != "not_sent"]
+    tokens = sum(r.completion_tokens for r in sent)
+    start = warmup_s if warmup_s > 0 else min((r.sent_s for r in sent), default=0.0)
+    end = max((r.end_s for r in sent if r.end_s is not None), default=result.wall_s)
+    if any(not r.ok for r in sent):  # cut off by the drain bound: the run lasted until the cut
+        end = max(end, result.wall_s)
+    makespan = max(end - start, 1e-9)
+    lag = [r.sent_s - r.planned_s for r in sent]
+    out = {
+        "label": result.label, "workload": result.workload, "requests": len(recs), "sent": len(sent), "ok": len(ok),
+        "failed": {s: sum(r.status == s for r in sent) for s in sorted({r.status for r in sent if not r.ok})},
+        "output_tokens": tokens, "makespan_s": makespan,
+        "tokens_per_s": tokens / makespan, "requests_per_s": len(ok) / makespan,
+        "ttft_s": stats([r.ttft_s for r in ok]), "itl_s": stats([r.itl_s for r in ok]), "e2e_s": stats([r.e2e_s for r in ok]),
+        "send_lag_s": stats(lag),
+        "errors": sorted({f"{r.status}: {r.error}" for r in sent if not r.ok and r.error})[:5],
+    }
+    if step_summary is not None:
+        out["engine"] = step_summary
+    return out
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+# --------------------------------------------------------------------------- goals
+
+STATIC_BEST = "best-static"  # baseline: the best of `off` and every `fixed:γ`, per repeat
+
+# (name, workloads it applies to, baseline chooser, metric, direction, threshold)
+# direction "ge": nightjar / baseline >= threshold; "le": <= threshold.
+GOALS = (
+    ("throughput vs fixed-γ (dynamic)", "dynamic", "fixed", "tokens_per_s", "ge", 1.27),
+    ("mean e2e latency vs fixed-γ (dynamic)", "dynamic", "fixed", "e2e_mean", "le", 0.80),
+    ("throughput vs threshold (dynamic)", "dynamic", "threshold", "tokens_per_s", "ge", 1.05),
+    ("throughput vs table (dynamic)", "dynamic", "table", "tokens_per_s", "ge", 1.05),
+    ("throughput vs fixed-γ (steady low)", "low", "fixed", "tokens_per_s", "ge", 0.95),
+    ("mean e2e latency vs fixed-γ (steady low)", "low", "fixed", "e2e_mean", "le", 1 / 0.95),
+    ("throughput vs off (steady overload)", "overload", "off", "tokens_per_s", "ge", 0.97),
+    ("TTFT p50, offload vs no offload (overload)", "overload", "nightjar-nooffload", "ttft_p50", "le", 0.70),
+    ("throughput vs best static γ (closed loop)", "closed", STATIC_BEST, "tokens_per_s", "ge", 0.97),
+    ("throughput vs best static γ (dynamic)", "dynamic", STATIC_BEST, "tokens_per_s", "ge", 1.00),
+)
+
+
+def metric(run: dict, name: str) -> float | None:
+    if name == "tokens_per_s":
+        return run["tokens_per_s"]
+    if name == "e2e_mean":
+        return run["e2e_s"]["mean"]
+    if name == "ttft_p50":
+        return run["ttft_s"]["p50"]
+    raise ValueError(f"unknown metric {name!r}")
+
+
+def _is_static(policy: str) -> bool:
+    return policy == "off" or policy.startswith("fixed:")
+
+
+def _baseline(policies: list[str], kind: str) -> str | None:
+    if kind == STATIC_BEST:
+        return STATIC_BEST if any(_is_static(p) for p in policies) else None
+    if kind in policies:
+        return kind
+    return next((p for p in policies if p.split(":", 1)[0] == kind), None)
+
+
+def goal_rows(runs: list[dict], workload_kinds: dict[str, str], subject: str = "nightjar") -> list[dict]:
+    """One row per (goal, workload): nightjar's ratio to the goal's baseline and whether it met it.
+
+    With repeats (``run["repeat"]``), the ratio is taken within each repeat (both runs measured
+    back to back under the same machine load) and the row gives their median, min and max; the
+    verdict is on the median (one noisy repeat does not carry it).
+    """
+    by = {(r["policy"], r["workload"], r.get("repeat", 0)): r for r in runs}
+    policies = sorted({r["policy"] for r in runs})
+    repeats = sorted({r.get("repeat", 0) for r in runs})
+    for wl in workload_kinds:  # the best static policy of each (workload, repeat) by throughput
+        for k in repeats:
+            static = [by[(p, wl, k)] for p in policies if _is_static(p) and (p, wl, k) in by]
+            if static:
+                by[(STATIC_BEST, wl, k)] = max(static, key=lambda r: r["tokens_per_s"])
+    rows = []
+    for name, kind, base_kind, met, direction, threshold in GOALS:
+        base = _baseline(policies, base_kind)
+        for wl, wl_kind in workload_kinds.items():
+            if wl_kind != kind or base is None:
+                continue
+            ratios = [ratio(metric(by[(subject, wl, k)], met), metric(by[(base, wl, k)], met))
+                      for k in repeats if (subject, wl, k) in by and (base, wl, k) in by]
+            ratios = [x for x in ratios if x is not None]
+            if not ratios:
+                continue
+            r = statistics.median(ratios)
+            ok = r >= threshold if direction == "ge" else r <= threshold
+            note = ""
+            if base_kind == "nightjar-nooffload":
+                # The offload goal is about offload: a difference without one is noise, not a result.
+                offloads = sum((by[(subject, wl, k)].get("engine") or {}).get("offloads", 0) for k in repeats if (subject, wl, k) in by)
+                if offloads == 0:
+                    ok, note = None, "not exercised: no offload happened"
+            rows.append({"goal": name, "workload": wl, "baseline": base, "ratio": r, "ratios": ratios,
+                         "target": f"{'≥' if direction == 'ge' else '≤'} {threshold:.2f}", "met": ok, "note": note})
+    return rows
+
+
+def average_runs(runs: list[dict]) -> list[dict]:
+    """One run per (policy, workload) with throughput and mean e2e averaged over repeats (for the bar chart)."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["policy"], r["workload"]), []).append(r)
+    out = []
+    for (policy, wl), rs in groups.items():
+        e2e = [r["e2e_s"]["mean"] for r in rs if r["e2e_s"]["mean"] is not None]
+        out.append({"policy": policy, "workload": wl, "tokens_per_s": sum(r["tokens_per_s"] for r in rs) / len(rs),
+                    "e2e_s": {"mean": sum(e2e) / len(e2e) if e2e else None}, "repeats": len(rs)})
+    return out
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _f(x: float | None, digits: int = 2, scale: float = 1.0) -> str:
+    return "–" if x is None else f"{x * scale:.{digits}f}"
+
+
+def markdown_runs(runs: list[dict]) -> str:
+    head = ("| workload | policy | rep | ok/sent | tok/s | req/s | TTFT mean / p50 / p99 (s) | ITL mean / p50 / p99 (ms) "
+            "| e2e mean / p50 / p99 (s) | γ switches | offloads | acceptance | mean batch | load avg | speed probe (ms) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in runs:
+        e = r.get("engine") or {}
+        t, i, l = r["ttft_s"], r["itl_s"], r["e2e_s"]
+        lines.append(
+            f"| {r['workload']} | {r['policy']} | {r.get('repeat', 0) + 1} | {r['ok']}/{r['sent']} | {_f(r['tokens_per_s'], 1)} | {_f(r['requests_per_s'], 3)} "
+            f"| {_f(t['mean'])} / {_f(t['p50'])} / {_f(t['p99'])} | {_f(i['mean'], 0, 1e3)} / {_f(i['p50'], 0, 1e3)} / {_f(i['p99'], 0, 1e3)} "
+            f"| {_f(l['mean'])} / {_f(l['p50'])} / {_f(l['p99'])} | {e.get('gamma_switches', '–')} | {e.get('offloads', '–')} "
+            f"| {_f(e.get('acceptance'))} | {_f(e.get('mean_batch'), 1)} | {_f(r.get('loadavg_1m'), 1)} "
+            f"| {_f(r.get('speed_probe_ms'), 1)} |")
+    return "\n".join(lines)
+
+
+def _mean_range(values: list[float | None], digits: int, scale: float = 1.0) -> str:
+    xs = [v * scale for v in values if v is not None]
+    if not xs:
+        return "–"
+    mean = sum(xs) / len(xs)
+    return f"{mean:.{digits}f}" if len(xs) == 1 else f"{mean:.{digits}f} ({min(xs):.{digits}f}–{max(xs):.{digits}f})"
+
+
+def markdown_summary(runs: list[dict]) -> str:
+    """One table per workload, one row per policy: means over repeats, (min–max) when repeated."""
+    out = []
+    for wl in dict.fromkeys(r["workload"] for r in runs):
+        rows = [r for r in runs if r["workload"] == wl]
+        out += [f"**{wl}**", "",
+                "| policy | ok/sent | output tok/s | req/s | TTFT p50 (s) | ITL mean (ms) | e2e mean (s) | e2e p99 (s) "
+                "| γ switches | offloads | acceptance | mean batch |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for pol in dict.fromkeys(r["policy"] for r in rows):
+            rs = [r for r in rows if r["policy"] == pol]
+            eng = [r.get("engine") or {} for r in rs]
+            out.append(
+                f"| {pol} | {sum(r['ok'] for r in rs)}/{sum(r['sent'] for r in rs)} | {_mean_range([r['tokens_per_s'] for r in rs], 1)} "
+                f"| {_mean_range([r['requests_per_s'] for r in rs], 2)} | {_mean_range([r['ttft_s']['p50'] for r in rs], 2)} "
+                f"| {_mean_range([r['itl_s']['mean'] for r in rs], 0, 1e3)} | {_mean_range([r['e2e_s']['mean'] for r in rs], 2)} "
+                f"| {_mean_range([r['e2e_s']['p99'] for r in rs], 2)} | {_mean_range([e.get('gamma_switches') for e in eng], 0)} "
+                f"| {sum(e.get('offloads', 0) for e in eng)} | {_mean_range([e.get('acceptance') for e in eng], 2)} "
+                f"| {_mean_range([e.get('mean_batch') for e in eng], 1)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def markdown_goals(rows: list[dict]) -> str:
+    lines = ["| goal | workload | baseline | nightjar ÷ baseline | target | result |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        verdict = r.get("note") or "–" if r["met"] is None else ("met" if r["met"] else "**missed**")
+        value = _f(r["ratio"], 3)
+        if len(r.get("ratios", ())) > 1:
+            value += f" ({min(r['ratios']):.3f}–{max(r['ratios']):.3f}, {len(r['ratios'])} repeats)"
+        lines.append(f"| {r['goal']} | {r['workload']} | {r['baseline']} | {value} | {r['target']} | {verdict} |")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, default=_jsonable))
+
+
+def _jsonable(x):
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if isinstance(x, Path):
+        return str(x)
+    raise TypeError(f"not JSON-serializable: {type(x).__name__}")

@@ -1,0 +1,243 @@
+"""EngineProcess: the engine's step loop in a child process of its own.
+
+Why: on a GPU a small model's decode step is mostly Python launching kernels, so an engine
+thread holds the GIL for nearly the whole step, and the worker's asyncio side (inbox, output
+chunks, stats: ~2 ms of Python per step at 32 streams) only runs by stopping it. On an H200
+the stack's steps were 1.26-1.63x slower than the same engine's in-process with a thread, and
+as fast with this process (BENCHMARKS.md, Pipeline overhead). vLLM's V1 moved its EngineCore
+into a process of its own for the same reason. On a CPU the matrix work releases the GIL, and
+a thread is enough.
+
+The child runs the same loop as EngineThread (worker/host/thread.py) and talks to the
+service over its stdin and stdout: length-prefixed msgpack frames, one per command and one
+per step, never pickle. The parent side has EngineThread's interface (start, submit, stop,
+ready, error, snapshot, and ``deliver`` called with each StepResult), so the service does not
+care which one it runs. The child exits when its stdin closes, so a worker killed with
+SIGKILL does not leave an engine holding the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import struct
+import subprocess
+import sys
+import threading
+from typing import IO, Any, Callable
+
+import msgpack
+
+from nightjar.messages import Policy, SamplingParams, StepStats
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine, RequestOutput
+from worker.host.thread import Abort, Add, EngineThread, FollowPolicy, SetResidency, Snapshot, StepResult, UpdatePolicy
+
+log = logging.getLogger("worker")
+
+FRAME_MAX_BYTES = 64 << 20  # a 100k-token prompt is ~0.5 MB; a step's outputs a few KB
+_HEADER = struct.Struct(">I")
+
+
+def write_frame(f: IO[bytes], obj: Any) -> None:
+    data = msgpack.packb(obj, use_bin_type=True)
+    if len(data) > FRAME_MAX_BYTES:
+        raise ValueError(f"engine frame of {len(data)} bytes exceeds {FRAME_MAX_BYTES}")
+    f.write(_HEADER.pack(len(data)) + data)
+    f.flush()
+
+
+def read_frame(f: IO[bytes]) -> Any | None:
+    """The next frame, or None at end of stream."""
+    head = f.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        return None
+    (n,) = _HEADER.unpack(head)
+    if n > FRAME_MAX_BYTES:
+        raise ValueError(f"engine frame of {n} bytes exceeds {FRAME_MAX_BYTES}")
+    data = f.read(n)
+    if len(data) < n:
+        return None
+    return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=FRAME_MAX_BYTES,
+                           max_str_len=FRAME_MAX_BYTES, max_ext_len=0)
+
+
+# ---------------------------------------------------------------------------- the wire forms
+
+
+def encode_command(cmd) -> list:
+    if isinstance(cmd, Add):
+        return ["add", cmd.request_id, list(cmd.prompt_token_ids), cmd.params.encode()]
+    if isinstance(cmd, Abort):
+        return ["abort", cmd.request_id]
+    if isinstance(cmd, SetResidency):
+        return ["residency", cmd.residency]
+    if isinstance(cmd, UpdatePolicy):
+        return ["policy", cmd.policy.encode()]
+    if isinstance(cmd, FollowPolicy):
+        return ["follow", cmd.worker_id, cmd.default_gamma, cmd.ttl_s]
+    raise TypeError(f"{type(cmd).__name__} cannot cross to the engine process (a callable? send data)")
+
+
+def decode_command(frame: list):
+    kind = frame[0]
+    if kind == "add":
+        return Add(frame[1], frame[2], SamplingParams.decode(frame[3]))
+    if kind == "abort":
+        return Abort(frame[1])
+    if kind == "residency":
+        return SetResidency(frame[1])
+    if kind == "policy":
+        return UpdatePolicy(Policy.decode(frame[1]))
+    if kind == "follow":
+        return FollowPolicy(frame[1], frame[2], frame[3])
+    raise ValueError(f"unknown engine command {kind!r}")
+
+
+def _snapshot_wire(s: Snapshot) -> dict:
+    return dataclasses.asdict(s)
+
+
+def _snapshot(w: dict) -> Snapshot:
+    return Snapshot(**{**w, "memory_bytes": tuple((str(k), int(v)) for k, v in w["memory_bytes"])})
+
+
+def encode_result(r: StepResult) -> list:
+    outs = [[o.request_id, o.index, list(o.new_token_ids), o.finished, o.finish_reason, o.prompt_tokens,
+             o.completion_tokens] for o in r.outputs]
+    return ["step", outs, r.stats.encode() if r.stats is not None else None, [list(x) for x in r.rejected],
+            _snapshot_wire(r.snapshot)]
+
+
+def decode_result(frame: list) -> StepResult:
+    _, outs, stats, rejected, snap = frame
+    return StepResult(outputs=[RequestOutput(*o) for o in outs], stats=StepStats.decode(stats) if stats else None,
+                      rejected=[(a, b) for a, b in rejected], snapshot=_snapshot(snap))
+
+
+# ---------------------------------------------------------------------------- parent side
+
+
+class EngineProcess:
+    """Starts ``python -m worker.host.process`` with ``engine_config`` and relays its frames."""
+
+    def __init__(self, engine_config: EngineConfig, deliver: Callable[[StepResult], None], log_level: str = "INFO") -> None:
+        self._start_frame = ["start", dataclasses.asdict(engine_config), log_level]
+        self._deliver = deliver
+        self._proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
+        self._write_lock = threading.Lock()
+        self._stopping = False
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.snapshot = Snapshot()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> None:
+        # stderr is inherited: the child's log lines land in the worker's own log
+        self._proc = subprocess.Popen([sys.executable, "-m", "worker.host.process"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, bufsize=0)
+        write_frame(self._proc.stdin, self._start_frame)
+        self._reader = threading.Thread(target=self._read, name="engine-proc-reader", daemon=True)
+        self._reader.start()
+
+    def submit(self, command) -> None:
+        frame = encode_command(command)
+        with self._write_lock:
+            try:
+                write_frame(self._proc.stdin, frame)
+            except (BrokenPipeError, ValueError, OSError) as exc:  # the child is gone: _read reports it
+                log.debug("engine process: command not sent (%s)", exc)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        if self._proc is None:
+            return
+        with self._write_lock:
+            try:
+                self._proc.stdin.close()  # the child's signal to finish its step and leave
+            except OSError:
+                pass
+        try:
+            self._proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("engine process did not exit in %.0f s; killing it", timeout_s)
+            self._proc.kill()
+            self._proc.wait(5)
+        if self._reader is not None:
+            self._reader.join(5)
+
+    def _read(self) -> None:
+        out = self._proc.stdout
+        try:
+            while (frame := read_frame(out)) is not None:
+                kind = frame[0]
+                if kind == "step":
+                    self._deliver(decode_result(frame))
+                elif kind == "ready":
+                    self.snapshot = _snapshot(frame[1])
+                    self.ready.set()
+                elif kind == "error":
+                    self.error = RuntimeError(frame[1])
+                    self.ready.set()
+                    self._deliver(StepResult(snapshot=Snapshot()))  # wake the service so it notices
+                    return
+        except Exception as exc:  # a torn frame: treat as the child's death
+            log.error("engine process: bad frame (%s)", exc)
+        code = self._proc.wait()
+        if not self._stopping and self.error is None:
+            self.error = RuntimeError(f"the engine process exited with code {code}")
+        self.ready.set()
+        self._deliver(StepResult(snapshot=Snapshot()))
+
+
+# ---------------------------------------------------------------------------- child side
+
+
+def child_main() -> int:
+    rfile, wfile = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # a stray print must not tear a frame
+    start = read_frame(rfile)
+    if not start or start[0] != "start":
+        return 2
+    _, cfg, level = start
+    logging.basicConfig(level=level, format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s")
+    lock = threading.Lock()
+
+    def send(frame: list) -> None:
+        with lock:
+            try:
+                write_frame(wfile, frame)
+            except (BrokenPipeError, OSError):
+                pass  # the parent is gone; the reader below sees EOF and stops the engine
+
+    def deliver(result: StepResult) -> None:
+        if engine.error is not None:
+            send(["error", f"{type(engine.error).__name__}: {engine.error}"])
+        else:
+            send(encode_result(result))
+
+    engine = EngineThread(lambda: Engine(EngineConfig(**cfg)), deliver)
+    engine.start()
+    engine.ready.wait()
+    if engine.error is not None:
+        send(["error", f"{type(engine.error).__name__}: {engine.error}"])
+        return 1
+    send(["ready", _snapshot_wire(engine.snapshot)])
+    try:
+        while (frame := read_frame(rfile)) is not None:
+            engine.submit(decode_command(frame))
+    except Exception as exc:
+        log.error("engine process: bad command frame (%s); stopping", exc)
+    engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    code = child_main()
+    sys.stderr.flush()
+    os._exit(code)  # the engine thread is a daemon; do not wait on torch's atexit work
