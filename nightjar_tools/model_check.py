@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-# Mirrors worker.engine.config.EngineConfig and worker.engine.engine: keep in step (tests/test_serve_model.py
+# Mirrors worker.engine.config.EngineConfig and worker.engine.engine: keep in step (tests/nightjar_tools/test_serve_model.py
 # checks the figure against a real engine's max_context_tokens).
 ENGINE_KV_BUDGET_BYTES = 256 * 1024 * 1024
 ENGINE_BLOCK_SIZE = 16

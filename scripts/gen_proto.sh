@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate the committed Python stubs from proto/ (CI checks they are current:
-# tests/test_proto.py runs this into a temp dir and compares).
+# tests/nightjar/test_proto.py runs this into a temp dir and compares).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-.}"

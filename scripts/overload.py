@@ -8,7 +8,7 @@ open-loop Poisson load of ``factor`` x capacity for ``seconds``. Reports: offere
 refused (RESOURCE_EXHAUSTED, with the retry-after hint) / failed requests, whether every
 admitted request completed, the largest queue seen (gateway metric
 ``nightjar_gateway_requests_queued`` against ``--max-queued``), p50/p99 latency of admitted
-requests, and each service's memory before, at the peak and after. tests/test_overload.py runs
+requests, and each service's memory before, at the peak and after. tests/stack/test_overload.py runs
 the same code for ~15 s.
 """
 

@@ -2,7 +2,7 @@
 lost requests (goal 0), errors, and the memory growth of every service process (goal < 5%).
 
     .venv/bin/python scripts/soak.py --minutes 30            # the full soak
-    .venv/bin/python scripts/soak.py --minutes 2 --json out.json   (tests/test_soak.py runs this)
+    .venv/bin/python scripts/soak.py --minutes 2 --json out.json   (tests/stack/test_soak.py runs this)
 
 The trace (``nightjar.paths.TRACES_DIR``/AzureLLMInferenceTrace_conv.csv) keeps its own
 burstiness; its arrival times are scaled so the mean load is ``--load`` x this machine's

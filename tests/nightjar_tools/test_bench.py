@@ -1,0 +1,505 @@
+"""nightjar bench: workloads, report maths, step summaries, plots, and the load generator
+against a real grpc.aio InferenceService on 127.0.0.1 (a scripted one, in the test's loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import grpc.aio
+import numpy as np
+import pytest
+
+from nightjar import paths
+from nightjar.keys import Keys
+from nightjar.messages import Heartbeat, StepStats
+from nightjar.v1 import inference_pb2 as pb
+from nightjar.v1 import inference_pb2_grpc as pb_grpc
+from nightjar_tools.bench import plots, report
+from nightjar_tools.bench.loadgen import LoadConfig, LoadResult, RequestRecord, run_load
+from nightjar_tools.bench.probe import StackProbe, summarize_steps
+from nightjar_tools.bench.workload import CONTEXT_TOKENS, LengthScale, PromptBank, Workload, build
+
+# --------------------------------------------------------------------------- workloads
+
+
+@pytest.mark.parametrize("spec", ["poisson:0.5", "burst", "ramp", "oscillation", "rates:0.2,1,2"])
+def test_workload_is_reproducible_per_seed(spec):
+    a, b, c = (build(spec, 4.0, 60, seed=s) for s in (3, 3, 4))
+    assert np.array_equal(a.arrival_s, b.arrival_s) and np.array_equal(a.output_tokens, b.output_tokens)
+    assert not np.array_equal(a.arrival_s, c.arrival_s)
+
+
+def test_poisson_rate_matches_load_times_capacity():
+    wl = build("poisson:0.5", 20.0, 200, seed=1)
+    expected = 0.5 * 20.0 * 200  # 2000 requests
+    assert abs(len(wl) - expected) < 4 * expected ** 0.5
+    assert wl.arrival_s.max() < 200 and np.all(np.diff(wl.arrival_s) >= 0)
+
+
+def test_burst_peak_is_much_denser_than_its_start():
+    wl = build("burst", 10.0, 100, seed=0)
+    # Pieces of 20 s at loads 0.1, 0.4, 1.2, 2.0, 0.3 × capacity.
+    first, peak = wl.offered_rps(0, 20), wl.offered_rps(60, 80)
+    assert 0.5 < first < 2.0 and 15 < peak < 25
+    assert wl.nominal_rps(10) == pytest.approx(1.0) and wl.nominal_rps(70) == pytest.approx(20.0)
+
+
+def test_rates_steps_in_order():
+    wl = build("rates:0.1,2.0", 10.0, 100, seed=0)
+    assert wl.offered_rps(50, 100) > 8 * wl.offered_rps(0, 50)
+
+
+def test_lengths_are_scaled_and_fit_the_context():
+    scale = LengthScale(prompt=0.5, output=0.25, max_output=64)
+    wl = build("poisson:1", 50.0, 60, seed=2, scale=scale)
+    assert wl.output_tokens.min() >= scale.min_output and wl.output_tokens.max() <= 64
+    assert np.all(wl.prompt_tokens + wl.output_tokens < CONTEXT_TOKENS)
+    # The simulator's median output is 100 tokens; a quarter of that is ~25.
+    assert 15 < np.median(wl.output_tokens) < 35
+
+
+@pytest.mark.skipif(not (paths.TRACES_DIR / "AzureLLMInferenceTrace_conv.csv").exists(), reason="traces not present")
+def test_azure_replay_is_time_scaled_to_the_capacity():
+    wl = build("azure_conv", 2.0, 60, azure_load=0.9)
+    assert 0.6 * 108 < len(wl) <= 108 + 1  # ~0.9 × 2 req/s × 60 s
+    assert wl.arrival_s.max() < 60
+
+
+def test_bad_specs_say_what_to_write():
+    with pytest.raises(ValueError, match="poisson:RHO"):
+        build("poisson:x", 1.0, 10)
+    with pytest.raises(ValueError, match="rates"):
+        build("rates:a,b", 1.0, 10)
+    with pytest.raises(ValueError, match="capacity_rps"):
+        build("burst", 0.0, 10)
+    with pytest.raises(ValueError, match="length scales"):
+        LengthScale(prompt=0)
+
+
+def test_prompt_bank_cuts_texts_of_the_asked_length():
+    bank = PromptBank()
+    rng = np.random.default_rng(0)
+    for n in (8, 64, 300):
+        text = bank.text(n, rng)
+        assert abs(bank.token_count(text) - n) <= max(3, n // 20)
+    wl = Workload("w", np.zeros(3), np.array([10, 20, 30]), np.array([4, 4, 4]), 1.0, 1.0)
+    assert bank.texts(wl, seed=5) == bank.texts(wl, seed=5) != bank.texts(wl, seed=6)
+
+
+# --------------------------------------------------------------------------- report maths
+
+
+def test_percentile_matches_numpy():
+    rng = np.random.default_rng(0)
+    xs = list(rng.exponential(1.0, 101))
+    for q in (0, 1, 50, 90, 99, 100):
+        assert report.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert report.percentile([], 50) is None
+    with pytest.raises(ValueError):
+        report.percentile(xs, 101)
+
+
+def _rec(i, sent, first, end, tokens, status="ok") -> RequestRecord:
+    return RequestRecord(i, sent, 10, tokens, sent_s=sent, first_token_s=first, end_s=end, completion_tokens=tokens, status=status)
+
+
+def test_summarize_computes_throughput_and_latencies():
+    recs = [_rec(0, 0.0, 0.5, 2.5, 21), _rec(1, 1.0, 2.0, 4.0, 11), _rec(2, 1.0, None, None, 0, "UNAVAILABLE")]
+    s = report.summarize(LoadResult("x", "w", 0.0, 4.0, recs))
+    assert s["ok"] == 2 and s["sent"] == 3 and s["failed"] == {"UNAVAILABLE": 1}
+    assert s["tokens_per_s"] == pytest.approx(32 / 4.0)
+    assert s["ttft_s"]["mean"] == pytest.approx((0.5 + 1.0) / 2)
+    assert s["e2e_s"]["p50"] == pytest.approx(2.75)
+    assert s["itl_s"]["mean"] == pytest.approx((2.0 / 20 + 2.0 / 10) / 2)
+
+
+def _run(policy, wl, tps, e2e, ttft):
+    return {"policy": policy, "workload": wl, "tokens_per_s": tps, "e2e_s": {"mean": e2e}, "ttft_s": {"p50": ttft}}
+
+
+def test_goal_rows_compare_nightjar_with_the_right_baseline():
+    runs = [_run("nightjar", "burst", 130, 1.0, 0.2), _run("fixed:3", "burst", 100, 2.0, 0.2),
+            _run("threshold:4:3", "burst", 128, 1.0, 0.2), _run("nightjar", "poisson:1.5", 50, 5, 1.0),
+            _run("nightjar-nooffload", "poisson:1.5", 50, 5, 2.0), _run("off", "poisson:1.5", 60, 5, 2.0)]
+    rows = report.goal_rows(runs, {"burst": "dynamic", "poisson:1.5": "overload"})
+    got = {(r["goal"], r["workload"]): r for r in rows}
+    assert got[("throughput vs fixed-γ (dynamic)", "burst")]["met"] is True  # 1.30 >= 1.27
+    assert got[("mean e2e latency vs fixed-γ (dynamic)", "burst")]["ratio"] == pytest.approx(0.5)
+    assert got[("throughput vs threshold (dynamic)", "burst")]["met"] is False  # 1.016 < 1.05
+    assert got[("throughput vs off (steady overload)", "poisson:1.5")]["met"] is False  # 0.83
+    # TTFT halved, but without a single offload that is not the offload's doing.
+    assert got[("TTFT p50, offload vs no offload (overload)", "poisson:1.5")]["met"] is None
+    assert "**missed**" in report.markdown_goals(rows) and "no offload happened" in report.markdown_goals(rows)
+    runs[3]["engine"] = {"offloads": 1}
+    rows = report.goal_rows(runs, {"burst": "dynamic", "poisson:1.5": "overload"})
+    assert [r["met"] for r in rows if r["goal"].startswith("TTFT")] == [True]
+
+
+def test_goal_rows_average_ratios_within_repeats():
+    runs = [_run("nightjar", "burst", 130, 1.0, 0.2), _run("fixed:3", "burst", 100, 2.0, 0.2),
+            {**_run("nightjar", "burst", 90, 1.0, 0.2), "repeat": 1}, {**_run("fixed:3", "burst", 100, 2.0, 0.2), "repeat": 1}]
+    (row,) = [r for r in report.goal_rows(runs, {"burst": "dynamic"}) if r["goal"].startswith("throughput vs fixed")]
+    assert row["ratios"] == pytest.approx([1.3, 0.9]) and row["ratio"] == pytest.approx(1.1) and row["met"] is False
+    assert "0.900–1.300, 2 repeats" in report.markdown_goals([row])
+    avg = {r["policy"]: r for r in report.average_runs(runs)}
+    assert avg["nightjar"]["tokens_per_s"] == pytest.approx(110) and avg["nightjar"]["repeats"] == 2
+
+
+def test_markdown_summary_gives_means_and_ranges_over_repeats():
+    def run(tps, rep):
+        recs = [_rec(0, 0.0, 0.5, 2.5, tps)]
+        return {**report.summarize(LoadResult("x", "burst", 0.0, 2.5, recs)), "policy": "nightjar", "repeat": rep}
+
+    table = report.markdown_summary([run(20, 0), run(30, 1)])
+    assert "**burst**" in table and "| nightjar | 2/2 | 10.0 (8.0–12.0) |" in table
+
+
+def _step(i, gamma, batch=4, accepted=(), residency="resident", worker="w1", emitted=4):
+    return StepStats(worker_id=worker, step=i, unix_ms=i, batch_size=batch, gamma=gamma, draft_ms=1.0, verify_ms=2.0,
+                     step_ms=3.0, accepted_per_position=tuple(accepted), emitted_tokens=emitted, draft_residency=residency)
+
+
+def test_summarize_steps_counts_switches_offloads_and_acceptance():
+    steps = [_step(0, 2, accepted=(4, 2)), _step(1, 2, accepted=(4, 4)), _step(2, 0, residency="offloading"),
+             _step(3, 0, residency="offloaded"), _step(4, 0, residency="reloading"), _step(5, 1, accepted=(2,)),
+             _step(6, 3, accepted=(1, 1, 1), worker="w2"), _step(7, 0, batch=0, worker="w2", emitted=0)]
+    s = summarize_steps(steps)
+    # w1: 2->0, 0->1; w2's first step is not a switch, nor is its prefill-only step (batch 0).
+    assert s["gamma_switches"] == 2
+    assert s["offloads"] == 1 and s["reloads"] == 1
+    assert s["acceptance"] == pytest.approx((6 + 8 + 2 + 3) / (8 + 8 + 4 + 12))
+    assert s["spec_step_share"] == pytest.approx(4 / 7)  # of the decode steps
+    assert summarize_steps([])["acceptance"] is None
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def test_plots_write_png_files(tmp_path):
+    samples = [{"t": t * 0.5, "offered_rps": t, "running": t, "batch": t, "waiting": 0, "gamma": max(0, 3 - t),
+                "residency": "resident" if t < 4 else "offloaded", "kv_blocks_total": 100 + 10 * (t >= 4),
+                "kv_blocks_free": 50, "tokens_per_s": 10.0 * t, "e2e_s": 1.0 + t, "ttft_s": 0.1} for t in range(8)]
+    tl = plots.timeline(samples, tmp_path / "t.png", "test", capacity_rps=3.0)
+    runs = [_run("fixed:3", "burst", 100, 2.0, 0.2), _run("nightjar", "burst", 130, 1.0, 0.2)]
+    bars = plots.comparison_bars(runs, tmp_path / "b.png", "fixed:3", "test")
+    for path in (tl, bars):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+# --------------------------------------------------------------------------- probe (real redis)
+
+
+async def test_probe_reads_heartbeats_and_only_new_steps(redis_url, key_prefix):
+    import redis.asyncio as aioredis
+
+    keys = Keys(key_prefix)
+    r = aioredis.Redis.from_url(redis_url)
+    hb = Heartbeat(worker_id="w1", unix_ms=1, model="m", kv_blocks_free=30, kv_blocks_total=100, running=5, waiting=2,
+                   max_running=64, gamma=2, draft_residency="resident")
+    await r.set(keys.heartbeat("w1"), hb.encode())
+    await r.sadd(keys.workers, "w1", "w-dead")  # a dead worker has no heartbeat key
+    await r.xadd(keys.stats, {b"s": _step(0, 4).encode()})  # before start: not this run's
+    probe = StackProbe(redis_url, key_prefix)
+    try:
+        await probe.start()
+        for i in range(3):
+            await r.xadd(keys.stats, {b"s": _step(i + 1, 2, batch=6, accepted=(3, 1)).encode()})
+        row = await probe()
+        assert row["workers"] == 1 and row["running"] == 5 and row["kv_blocks_total"] == 100
+        assert row["residency"] == "resident" and row["steps"] == 3 and row["batch"] == 6 and row["gamma"] == 2
+        assert (await probe())["workers"] == 1 and len(probe.steps) == 3  # nothing new the second time
+    finally:
+        await probe.close()
+        await r.aclose()
+
+
+# --------------------------------------------------------------------------- load generator (real gRPC)
+
+
+class ScriptedInference(pb_grpc.InferenceServiceServicer):
+    """Streams max_tokens tokens, two per response, ``step_s`` apart; "hang" prompts never finish."""
+
+    def __init__(self, step_s: float = 0.005) -> None:
+        self.step_s = step_s
+        self.prompts: list[str] = []
+        self.request_ids: list[str] = []
+        self.concurrent = self.peak = 0
+
+    async def Generate(self, request, context):
+        self.prompts.append(request.prompt)
+        self.request_ids.append(request.request_id)
+        self.concurrent += 1
+        self.peak = max(self.peak, self.concurrent)
+        try:
+            if request.prompt.startswith("hang"):
+                await asyncio.sleep(3600)
+            sent = 0
+            while sent < request.max_tokens:
+                await asyncio.sleep(self.step_s)
+                n = min(2, request.max_tokens - sent)
+                sent += n
+                yield pb.GenerateResponse(request_id=request.request_id, token_ids=list(range(n)), text="ab"[:n])
+            yield pb.GenerateResponse(request_id=request.request_id, finish_reason=pb.FINISH_REASON_LENGTH,
+                                      usage=pb.Usage(prompt_tokens=len(request.prompt.split()), completion_tokens=sent))
+        finally:
+            self.concurrent -= 1
+
+
+@pytest.fixture
+async def scripted_server():
+    server = grpc.aio.server()
+    servicer = ScriptedInference()
+    pb_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    await server.stop(0)
+
+
+async def test_loadgen_replays_the_schedule_and_measures(scripted_server):
+    servicer, target = scripted_server
+    n = 20
+    wl = Workload("t", np.linspace(0, 0.5, n), np.full(n, 3), np.arange(1, n + 1) * 2, 1.0, 1.0)
+    prompts = [f"p{i} a b" for i in range(n)]
+    calls = []
+
+    async def probe():
+        calls.append(1)
+        return {"running": 1}
+
+    res = await run_load(wl, prompts, LoadConfig(target=target, sample_interval_s=0.05, progress=False), probe=probe)
+    assert sorted(servicer.prompts) == sorted(prompts)
+    # The gateway takes at most 64 printable ASCII characters without spaces, unique per request.
+    assert len(set(servicer.request_ids)) == n
+    assert all(0 < len(r) <= 64 and all(0x21 <= ord(c) <= 0x7E for c in r) for r in servicer.request_ids)
+    assert all(r.ok for r in res.records)
+    assert [r.completion_tokens for r in res.records] == list(wl.output_tokens)
+    assert all(r.prompt_tokens == 3 for r in res.records)
+    for r in res.records:
+        assert 0 < r.ttft_s <= r.e2e_s
+        assert r.sent_s - r.planned_s < 0.25  # the client kept to the schedule
+    assert res.records[-1].e2e_s > res.records[0].e2e_s  # 40 tokens take longer than 2
+    assert servicer.peak > 1  # open loop: requests overlapped
+    assert calls and res.samples and all("running" in s for s in res.samples)
+    s = report.summarize(res)
+    assert s["tokens_per_s"] > 0 and s["ttft_s"]["p99"] >= s["ttft_s"]["p50"]
+
+
+async def test_loadgen_is_bounded_in_time_and_count(scripted_server):
+    servicer, target = scripted_server
+    wl = Workload("t", np.array([0.0, 0.05, 5.0]), np.full(3, 2), np.full(3, 4), 0.2, 1.0)
+    t0 = time.monotonic()
+    res = await run_load(wl, ["hang now", "ok x", "never sent"],
+                         LoadConfig(target=target, max_duration_s=0.2, drain_timeout_s=0.5, progress=False))
+    assert time.monotonic() - t0 < 3
+    assert [r.status for r in res.records] == ["cancelled", "ok", "not_sent"]
+    assert "never sent" not in servicer.prompts
+    s = report.summarize(res)
+    assert s["sent"] == 2 and s["ok"] == 1 and s["failed"] == {"cancelled": 1}
+
+
+def test_load_config_rejects_nonsense():
+    with pytest.raises(ValueError, match="host:port"):
+        LoadConfig(target="localhost")
+    with pytest.raises(ValueError, match="drain_timeout_s"):
+        LoadConfig(target="h:1", drain_timeout_s=0)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_policy_and_workload_specs_resolve():
+    from nightjar_tools.bench.cli import _workload, parser
+    from nightjar_tools.bench.compare import kind_of, resolve_policy
+
+    assert resolve_policy("fixed:G", 3) == "fixed:3" and resolve_policy("threshold:4:G", 2) == "threshold:4:2"
+    assert resolve_policy("table:1=4,4=2", 3) == "table:1=4,4=2"
+    assert [kind_of(s) for s in ("poisson:0.3", "poisson:1.5", "burst", "azure_conv", "rates:1,2")] == \
+        ["low", "overload", "dynamic", "dynamic", "sweep"]
+    plan = _workload("burst@12.5")
+    assert plan.spec == "burst" and plan.duration_s == 12.5
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--workloads", "burst@soon"])
+
+
+def test_kv_budget_makes_the_draft_the_asked_share():
+    from nightjar_tools.bench.compare import draft_weight_bytes, kv_budget_for_share
+
+    draft = draft_weight_bytes()
+    assert draft > 1 << 20  # float32 bytes of a real checkpoint, not a header's size
+    assert kv_budget_for_share(0.6) == pytest.approx(draft / 0.6, abs=1)
+    with pytest.raises(ValueError, match="draft-share"):
+        kv_budget_for_share(0)
+
+
+def test_markdown_runs_rows_match_the_header():
+    recs = [_rec(0, 0.0, 0.5, 2.5, 21)]
+    run = {**report.summarize(LoadResult("x", "burst", 0.0, 3.0, recs)), "policy": "nightjar", "loadavg_1m": 3.2,
+           "speed_probe_ms": 11.04}
+    table = report.markdown_runs([run]).splitlines()
+    assert len(table) == 3 and len({line.count("|") for line in table}) == 1
+    assert "| burst | nightjar | 1 | 1/1 |" in table[2] and table[2].endswith("| 3.2 | 11.0 |")
+
+
+def test_plots_copy_only_the_headline_timelines(tmp_path):
+    from nightjar_tools.bench.cli import _plots
+
+    samples = [{"t": 0.5 * i, "offered_rps": 1.0, "tokens_per_s": 5.0} for i in range(4)]
+    runs = [_run(p, "burst", 100, 1.0, 0.2) for p in ("fixed:3", "nightjar", "ucb")]
+    payload = {"calibration": {"capacity_rps": 2.0}, "runs": runs,
+               "samples": {"fixed:3|burst": samples, "nightjar|burst": samples, "ucb|burst": samples, "nightjar|burst|r1": samples}}
+    _plots(payload, tmp_path / "out", tmp_path / "docs")
+    assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == \
+        ["comparison.png", "timeline_fixed_3_burst.png", "timeline_nightjar_burst.png"]
+    assert len(list((tmp_path / "out" / "plots").iterdir())) == 4  # every first-repeat timeline + the bars
+
+
+def test_merge_turns_result_files_into_repeats():
+    from nightjar_tools.bench.cli import merge_payloads
+
+    def payload(tps):
+        runs = [{**_run("nightjar", "burst", tps, 1.0, 0.2), "kind": "dynamic"}, {**_run("fixed:3", "burst", 100, 2.0, 0.2), "kind": "dynamic"}]
+        return {"calibration": {"capacity_rps": 2.0, "fixed_gamma": 3}, "runs": runs, "samples": {"nightjar|burst": [{"t": tps}]}}
+
+    merged = merge_payloads([payload(130), payload(120)])
+    assert sorted(r["repeat"] for r in merged["runs"]) == [0, 0, 1, 1]
+    (row,) = [g for g in merged["goals"] if g["goal"] == "throughput vs fixed-γ (dynamic)"]
+    assert row["ratios"] == pytest.approx([1.3, 1.2])
+    assert merged["samples"]["nightjar|burst"] == [{"t": 130}]  # the first repeat's timeline
+    other = payload(120)
+    other["calibration"]["capacity_rps"] = 3.0
+    with pytest.raises(ValueError, match="--calibration"):
+        merge_payloads([payload(130), other])
+
+
+def test_bench_gives_the_workers_its_models_and_sizes_the_budget_by_that_draft(tmp_path):
+    from widen_model import widen
+
+    from nightjar_tools.bench.cli import parser
+    from nightjar_tools.bench.compare import CompareConfig, WorkloadPlan, draft_weight_bytes, kv_budget_for_share
+    from tests.conftest import ROOT  # noqa: F401  (puts scripts/ on the path)
+
+    draft = widen(paths.DEFAULT_DRAFT, tmp_path / "wide-draft", factor=2)
+    assert draft_weight_bytes(draft) > draft_weight_bytes()  # the budget follows the draft given
+    assert kv_budget_for_share(0.5, draft) == draft_weight_bytes(draft) * 2
+    a = parser().parse_args(["--draft-model", str(draft), "--worker-arg=--max-running=8"])
+    assert a.draft_model == draft and a.target_model == paths.DEFAULT_TARGET
+    cfg = CompareConfig(policies=("off",), workloads=(WorkloadPlan("burst", 1.0),), out_dir=tmp_path,
+                        draft_model=draft, worker_args=("--target", "/elsewhere"), kv_budget_bytes=1 << 20)
+    stack = cfg.stack_config("off", tmp_path)
+    assert stack.draft_path == draft and stack.target_path == paths.DEFAULT_TARGET
+    # the Stack puts worker_args after the models, so an explicit --worker-arg=--target=... still wins
+    assert list(stack.worker_args) == ["--target", "/elsewhere", "--kv-budget-bytes", str(1 << 20)]
+
+
+def test_odd_repeats_reverse_the_policy_order_so_a_steady_drift_cancels():
+    from nightjar_tools.bench.compare import policy_order, speed_probe_ms
+
+    pols = ("off", "fixed:4", "nightjar")
+    assert [policy_order(pols, r) for r in range(3)] == [pols, pols[::-1], pols]
+    # each policy's mean position over a pair of repeats is the same: a linear drift favours none
+    assert len({policy_order(pols, 0).index(p) + policy_order(pols, 1).index(p) for p in pols}) == 1
+    assert 0 < speed_probe_ms(rounds=3) < 10_000
+
+
+# --------------------------------------------------------------------------- closed loop
+
+
+def test_closed_workload_spec():
+    from nightjar_tools.bench.workload import CLOSED_OUTPUT_TOKENS, CLOSED_WARMUP_S
+
+    wl = build("closed:16", 3.0, 30)
+    assert wl.clients == 16 and wl.warmup_s == CLOSED_WARMUP_S and wl.duration_s == 30 + CLOSED_WARMUP_S
+    assert set(wl.output_tokens.tolist()) == {CLOSED_OUTPUT_TOKENS} and len(wl) >= 16 * 30
+    for bad in ("closed:0", "closed:x", "closed:5000"):
+        with pytest.raises(ValueError, match="closed"):
+            build(bad, 1.0, 10)
+
+
+async def test_loadgen_closed_loop_keeps_exactly_c_in_flight(scripted_server):
+    servicer, target = scripted_server
+    servicer.step_s = 0.01
+    n = 400
+    wl = Workload("closed:3", np.zeros(n), np.full(n, 2), np.full(n, 6), 1.0, 1.0, clients=3, warmup_s=0.3)
+    t0 = time.monotonic()
+    res = await run_load(wl, [f"p{i} x" for i in range(n)], LoadConfig(target=target, drain_timeout_s=2, progress=False))
+    assert time.monotonic() - t0 < 2.5
+    sent = [r for r in res.records if r.status != "not_sent"]
+    assert servicer.peak == 3  # never more than C in flight, and C reached
+    assert 3 * 4 <= len(sent) < n and all(r.ok for r in sent)
+    assert max(r.sent_s for r in sent) < 1.0  # no request starts after the run's end
+    # each client sends its next request as its last one ends: sends follow completions closely
+    ends = sorted(r.end_s for r in sent)
+    starts = sorted(r.sent_s for r in sent)[3:]
+    assert all(s - e < 0.05 for s, e in zip(starts, ends))
+    full, counted = report.summarize(res), report.summarize(res, warmup_s=wl.warmup_s)
+    assert counted["sent"] < full["sent"] and counted["makespan_s"] < full["makespan_s"]
+
+
+def test_goal_rows_best_static_takes_the_best_of_each_repeat():
+    runs = [_run("nightjar", "closed:16", 100, 1.0, 0.2), _run("off", "closed:16", 90, 1.0, 0.2),
+            _run("fixed:2", "closed:16", 104, 1.0, 0.2), _run("table:4=1", "closed:16", 200, 1.0, 0.2),
+            {**_run("nightjar", "closed:16", 99, 1.0, 0.2), "repeat": 1}, {**_run("off", "closed:16", 100, 1.0, 0.2), "repeat": 1}]
+    (row,) = [r for r in report.goal_rows(runs, {"closed:16": "closed"})]
+    assert row["baseline"] == "best-static"  # the table policy is not static: it is not a baseline here
+    assert row["ratios"] == pytest.approx([100 / 104, 0.99])
+    assert row["ratio"] == pytest.approx((100 / 104 + 0.99) / 2) and row["met"] is True  # median of two, >= 0.97
+
+
+def test_headline_runs_every_peer_on_every_goal_workload_three_times(tmp_path, monkeypatch):
+    from nightjar_tools.bench import cli, compare
+
+    class Captured(Exception):
+        pass
+
+    def capture(cfg, log):
+        raise Captured(cfg)
+
+    monkeypatch.setattr(compare, "run_comparison", capture)
+    with pytest.raises(Captured) as got:
+        cli.main(["--headline", "--no-progress", "--out", str(tmp_path)])
+    cfg = got.value.args[0]
+    assert cfg.repeats == 3 and {"ema", "heuristic", "nightjar", "nightjar-nooffload", "fixed:G", "off"} <= set(cfg.policies)
+    kinds = {w.spec.split(":")[0].split("@")[0]: w.duration_s for w in cfg.workloads}
+    assert {"burst", "oscillation", "ramp", "azure_conv", "azure_code", "poisson"} <= set(kinds)
+    assert all(w.duration_s >= 120 for w in cfg.workloads if w.kind == "dynamic")
+
+
+def test_comparison_chart_shows_small_differences_with_repeats_and_a_clear_legend(tmp_path):
+    """docs/bench/comparison.png's code: ±10% must be readable, repeats give whiskers, and the
+    legend must not sit on any bar."""
+    import matplotlib.pyplot as plt
+    from matplotlib.container import ErrorbarContainer
+
+    runs = [_run("fixed:3", "burst", 100, 2.0, 0.2), _run("fixed:3", "burst", 100, 2.0, 0.2),
+            _run("nightjar", "burst", 104, 1.9, 0.2), _run("nightjar", "burst", 112, 1.7, 0.2),
+            _run("off", "burst", 95, 2.1, 0.2), _run("off", "burst", 93, 2.2, 0.2),
+            _run("fixed:3", "poisson:1.5", 50, 5.0, 1.0), _run("nightjar", "poisson:1.5", 54, 4.6, 1.0),
+            _run("off", "poisson:1.5", 47, 5.3, 1.0)]
+    fig = plots.comparison_figure(runs, "fixed:3", "test")
+    try:
+        fig.canvas.draw()
+        top, bottom = fig.axes
+        lo, hi = top.get_ylim()
+        assert lo > 0.5 and hi - lo < 0.5, (lo, hi)  # fitted to the data: a 10% difference is visible
+        assert lo < 0.93 and hi > 1.12  # ... and every value (whiskers included) is inside
+        bars = {(round(p.get_x() + p.get_width() / 2, 3)): p for p in top.patches}
+        nightjar_burst = bars[round(0 + 1 * 0.8 / 3, 3)]
+        assert nightjar_burst.get_y() == 1.0 and abs(nightjar_burst.get_height() - 0.08) < 1e-9  # mean of 1.04, 1.12
+        whiskers = [c for c in top.containers if isinstance(c, ErrorbarContainer)]
+        assert whiskers, "repeats must show as error bars"
+        segs = [seg for c in whiskers for lc in c.lines[2] for seg in lc.get_segments()]
+        assert any(abs(s[0][1] - 1.04) < 1e-9 and abs(s[1][1] - 1.12) < 1e-9 for s in segs)
+        # the legend is the figure's, outside both panels
+        (legend,) = fig.legends
+        renderer = fig.canvas.get_renderer()
+        box = legend.get_window_extent(renderer)
+        for artist in (*fig.axes, fig._suptitle, *(ax.xaxis for ax in fig.axes)):
+            assert not box.overlaps(artist.get_window_extent(renderer)), artist
+        assert [t.get_text() for t in legend.get_texts()] == ["fixed:3", "nightjar", "off"]
+    finally:
+        plt.close(fig)
+    path = plots.comparison_bars(runs, tmp_path / "cmp.png", "fixed:3", "test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

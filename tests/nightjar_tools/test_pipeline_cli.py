@@ -1,0 +1,111 @@
+"""`nightjar serve` / `nightjar demo` / each service's own command line."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nightjar_tools.serve import add_stack_args, stack_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_serve_flags_build_a_validated_config(tmp_path):
+    p = argparse.ArgumentParser()
+    add_stack_args(p, port=50051)
+    a = p.parse_args(["--workers", "3", "--policy", "fixed:2", "--no-draft", "--redis-url", "redis://h:1/0"])
+    cfg = stack_config(a, p, log_dir=tmp_path)
+    assert (cfg.workers, cfg.draft_path, cfg.redis_url, cfg.log_dir) == (3, None, "redis://h:1/0", tmp_path)
+    assert cfg.default_gamma == 0  # no draft: never speculate
+    a = p.parse_args(["--policy", "fixed:2"])
+    assert stack_config(a, p).default_gamma == 2  # the workers' fallback is the fixed policy's γ
+    with pytest.raises(SystemExit):  # argparse error naming the flag
+        stack_config(p.parse_args(["--workers", "0"]), p)
+    assert stack_config(p.parse_args(["--dtype", "bfloat16"]), p).worker_args == ("--device", "cpu", "--dtype", "bfloat16")
+    for bad in (["--device", "tpu"], ["--dtype", "int8"]):
+        with pytest.raises(SystemExit):
+            stack_config(p.parse_args(bad), p)
+    import torch
+
+    if not torch.cuda.is_available():  # said before any service starts, not from a worker's log
+        with pytest.raises(SystemExit):
+            stack_config(p.parse_args(["--device", "cuda"]), p)
+
+
+@pytest.mark.parametrize("service, argv, field, value", [
+    ("gateway.__main__", ["--port", "0", "--max-queued", "7", "--auth-token", "t"], "max_queued", 7),
+    ("scheduler_svc.__main__", ["--max-deliveries", "9"], "max_deliveries", 9),
+    ("worker.__main__", ["--no-draft", "--max-running", "8"], "draft_path", None),
+])
+def test_each_service_parses_its_flags(service, argv, field, value, monkeypatch):
+    import importlib
+
+    monkeypatch.setenv("NIGHTJAR_REDIS_URL", "redis://envhost:6390/0")
+    cfg = importlib.import_module(service).parse_config(argv)
+    assert getattr(cfg, field) == value
+    assert cfg.redis_url == "redis://envhost:6390/0"  # the environment supplies the default
+
+
+def test_bad_flags_say_how_to_fix_them(capsys):
+    from gateway.__main__ import parse_config
+
+    with pytest.raises(SystemExit):
+        parse_config(["--redis-url", "http://x"])
+    assert "redis://" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_streams_a_completion_and_stops(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "nightjar_tools.cli", "demo", "--max-tokens", "8", "--prompt", "import os\n"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("import os\n")
+    assert re.search(r"\d+ prompt \+ [1-8] completion tokens, finish (length|stop); TTFT", out.stdout), out.stdout
+    assert "nightjar demo: stopped" in out.stderr
+
+
+def test_serve_gives_every_service_its_own_metrics_port(tmp_path, monkeypatch):
+    from nightjar_tools.stack import metrics_port_of
+
+    monkeypatch.setenv("NIGHTJAR_METRICS_PORT", "9100")
+    p = argparse.ArgumentParser()
+    add_stack_args(p, port=50051)
+    cfg = stack_config(p.parse_args(["--workers", "2"]), p, log_dir=tmp_path)
+    assert cfg.metrics_port == 9100  # the environment's port is the base
+    ports = [metrics_port_of(9100, "gateway"), metrics_port_of(9100, "scheduler"), metrics_port_of(9100, "planner"),
+             metrics_port_of(9100, "worker", 0), metrics_port_of(9100, "worker", 1)]
+    assert ports == [9100, 9101, 9102, 9103, 9104]
+    with pytest.raises(SystemExit):  # no room above the base for every service
+        stack_config(p.parse_args(["--metrics-port", "65534"]), p)
+
+
+def test_a_service_rss_counts_its_child_processes(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from nightjar_tools.stack import Service
+
+    child = "b = bytearray(200 << 20); import time; time.sleep(60)"  # 200 MiB, zero-filled: resident
+    parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)
+    svc = Service("worker", [], tmp_path / "log", proc)
+    try:
+        own = 0
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            own = int(next(x for x in open(f"/proc/{proc.pid}/status") if x.startswith("VmRSS:")).split()[1]) * 1024
+            if svc.rss_bytes() - own > 190 << 20:
+                break
+            time.sleep(0.1)
+        assert svc.rss_bytes() - own > 190 << 20  # the child's 200 MiB counted with the service
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

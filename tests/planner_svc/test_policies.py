@@ -1,0 +1,241 @@
+"""Unit tests of the γ policies: pure logic fed with hand-built StepStats (no simulator)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import numpy as np
+import pytest
+
+from planner_svc.policies import OFFLOADED, RESIDENT, Context, NightjarPolicy, make_policy
+from planner_svc.policies.acceptance_estimate import AcceptanceEstimate
+from planner_svc.policies.residency import ResidencyController, ResidencySettings
+from planner_svc.policies.step_cost_model import StepCostModel
+from tests.planner_svc.conftest import stats
+
+ALL_SPECS = ["nightjar", "nightjar-nooffload", "off", "fixed:3", "threshold:8", "table:1=4,4=2,16=1,32=0", "ucb",
+             "heuristic", "ema"]
+
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_every_spec_builds_and_answers_within_range(spec):
+    policy = make_policy(spec, gamma_max=4, seed=1)
+    assert len(policy.table()) == len(policy.buckets) == 7
+    for b in (1, 3, 9, 40, 500):
+        decision = policy.select(Context(b, "w0"))
+        assert 0 <= decision.gamma <= 4 and decision.residency == RESIDENT
+
+
+def test_static_specs_mean_what_they_say():
+    assert make_policy("off", gamma_max=4).table() == (0,) * 7
+    assert make_policy("fixed:2", gamma_max=4).table() == (2,) * 7
+    threshold = make_policy("threshold:8", gamma_max=4)
+    assert [threshold.gamma_for(b) for b in (1, 8, 9, 100)] == [3, 3, 0, 0]
+    assert make_policy("threshold:4:1", gamma_max=4).gamma_for(4) == 1
+    table = make_policy("table:1=4,4=2,16=1,32=0", gamma_max=4)
+    assert [table.gamma_for(b) for b in (1, 2, 4, 5, 16, 17, 32, 1000)] == [4, 2, 2, 1, 1, 0, 0, 0]
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("bogus", "unknown policy spec"), ("fixed:x", "integer"), ("fixed:5", "0..4"), ("table:1-4", "batch=gamma"),
+    ("table:4=1,4=2", "distinct"), ("threshold:0", "B >= 1"), ("nightjar:3", "unknown"), ("table:1=9", "gamma_max"),
+])
+def test_bad_specs_say_what_is_wrong(spec, match):
+    with pytest.raises(ValueError, match=match):
+        make_policy(spec, gamma_max=4)
+
+
+def test_ucb_tries_every_arm_then_settles_on_the_best():
+    policy = make_policy("ucb", gamma_max=3, seed=0)
+    rates = {0: 1.0, 1: 1.6, 2: 2.0, 3: 1.2}  # tokens per ms of each arm
+    seen = set()
+    for _ in range(400):
+        g = policy.gamma_for(1)
+        seen.add(g)
+        policy.update(stats(1, g, verify_ms=10.0, emitted=int(10 * rates[g])))
+    assert seen == {0, 1, 2, 3}
+    assert policy.plays[2] > 0.6 * sum(policy.plays)
+
+
+def test_heuristic_adds_two_on_full_acceptance_and_drops_one_otherwise():
+    policy = make_policy("heuristic", gamma_max=6)
+    assert policy.gamma_for(1) == 6
+    policy.update(stats(2, 6, accepted=(2, 2, 1, 0, 0, 0)))
+    assert policy.gamma_for(1) == 5
+    policy.update(stats(2, 5, accepted=(2, 2, 2, 2, 2)))
+    assert policy.gamma_for(1) == 6
+    for _ in range(10):
+        policy.update(stats(2, policy.gamma_for(1), accepted=(0,) * 6))
+    assert policy.gamma_for(1) == 1  # transformers' schedule never turns speculation off
+
+
+def test_acceptance_estimate_learns_per_position_rates_and_extrapolates():
+    rng = np.random.default_rng(0)
+    alphas = [0.9, 0.6, 0.5]
+    est = AcceptanceEstimate(gamma_max=4)
+    for _ in range(300):
+        alive, row = 16, []
+        for a in alphas:
+            alive = rng.binomial(alive, a)
+            row.append(alive)
+        est.observe(16, 3, tuple(row))
+    got = est.alphas()
+    assert np.allclose(got[:3], alphas, atol=0.05)
+    assert abs(got[3] - got[2]) < 0.05  # never observed: borrows the previous position's rate
+    e = est.expected_tokens()
+    assert e[0] == 1.0 and e[1] == pytest.approx(1 + got[0]) and e[2] == pytest.approx(1 + got[0] + got[0] * got[1])
+
+
+def test_step_cost_model_shares_verify_cost_across_arms():
+    """γ=0 steps at B=4..32 (n = B tokens) predict the verify cost of γ=3 at B=8 (n = 32)."""
+    model = StepCostModel()
+    roof = lambda n: 1.0 + max(4.0, 0.25 * n)  # noqa: E731
+    for b in (4, 8, 16, 32):
+        for _ in range(5):
+            model.observe(b, 0, 0.0, roof(b))
+    model.observe(2, 1, 1.0, roof(4))  # one draft pass measured: d(2) = 1 ms
+    pred = model.step_ms(np.array([8.0]), 3)  # [1, 4]
+    assert pred[0, 3] == pytest.approx(roof(32) + 3 * 1.0, rel=0.05)
+    # above the largest observation it extrapolates between flat and proportional
+    high = model.step_ms(np.array([64.0]), 0)[0, 0]
+    assert roof(32) <= high <= roof(32) * 2 + 1e-9
+
+
+def test_nightjar_state_round_trips_through_msgpack():
+    policy = make_policy("nightjar", gamma_max=4, seed=3)
+    for i in range(500):
+        b = 1 + i % 40
+        g = policy.gamma_for(b)
+        policy.update(stats(b, g, verify_ms=1 + max(4, 0.25 * b * (g + 1)), draft_ms=0.8 * g,
+                            accepted=tuple(max(b - k * b // 4, 0) for k in range(1, g + 1))))
+    blob = msgpack.packb(policy.state_dict(), use_bin_type=True)
+    fresh = make_policy("nightjar", gamma_max=4, seed=3)
+    fresh.load_state_dict(msgpack.unpackb(blob, raw=False))
+    assert fresh.table() == policy.table()
+    assert np.allclose(fresh.losses(2), policy.losses(2))
+    assert fresh.updates == policy.updates == 500
+
+
+def test_nightjar_ignores_malformed_stats():
+    policy = make_policy("nightjar", gamma_max=4)
+    before = policy.table()
+    policy.update(stats(0, 1))
+    policy.update(stats(4, 9))
+    policy.update(stats(4, 1, verify_ms=-1.0))
+    policy.update(stats(4, 1, verify_ms=float("nan")))
+    policy.update(stats(4, 1, draft_ms=float("inf")))
+    assert policy.updates == 0 and policy.table() == before
+
+
+def _pressure(controller: ResidencyController, n: int, *, full: bool, waiting: int, batch: int = 40,
+              gamma_wanted: int = 0, gain: float = 0.0, batching: float = 0.1, residency: str = RESIDENT) -> None:
+    for _ in range(n):
+        used, free = (95, 5) if full else (20, 80)
+        controller.observe(stats(batch, 0, used=used, free=free, waiting=waiting, residency=residency),
+                           lambda b: gamma_wanted, lambda b: gain, lambda b, b2: batching, 0.01)
+
+
+def test_offload_needs_sustained_pressure_and_gamma_zero():
+    s = ResidencySettings(min_dwell_steps=100)
+    ctl = ResidencyController(s)
+    for _ in range(20):  # pressure that comes and goes never builds up
+        _pressure(ctl, 5, full=True, waiting=3)
+        _pressure(ctl, 10, full=False, waiting=0)
+    assert ctl.directive("w0") == RESIDENT
+    _pressure(ctl, 200, full=True, waiting=3, gamma_wanted=2)  # pressure, but speculation still pays
+    assert ctl.directive("w0") == RESIDENT
+    _pressure(ctl, 200, full=True, waiting=3, gamma_wanted=0, gain=0.3)  # γ=0 in force, model disagrees
+    assert ctl.directive("w0") == RESIDENT
+    _pressure(ctl, 200, full=True, waiting=3, gamma_wanted=0)
+    assert ctl.directive("w0") == OFFLOADED
+
+
+def test_no_offload_where_a_bigger_batch_buys_no_throughput():
+    """Compute-bound steps: the freed KV would only trade queueing for slower decoding."""
+    ctl = ResidencyController(ResidencySettings(min_dwell_steps=100))
+    _pressure(ctl, 300, full=True, waiting=3, batching=0.0)
+    assert ctl.directive("w0") == RESIDENT
+    _pressure(ctl, 300, full=True, waiting=3, batching=0.05)
+    assert ctl.directive("w0") == OFFLOADED
+
+
+def test_no_offload_where_speculation_pays_at_the_grown_batch():
+    """γ=0 at B but γ>0 at the batch the freed KV admits: the offload would be reloaded at once."""
+    ctl = ResidencyController(ResidencySettings(min_dwell_steps=100))
+    for _ in range(300):
+        ctl.observe(stats(40, 0, used=95, free=5, waiting=30), lambda b: 0, lambda b: 0.0 if b <= 40 else 0.3,
+                    lambda b, b2: 0.1, 0.01)
+    assert ctl.directive("w0") == RESIDENT
+
+
+def test_a_silent_worker_leaves_the_residency_table():
+    """A dead worker must not stay in every published policy (the planner's clock is the steps')."""
+    ctl = ResidencyController(ResidencySettings(min_dwell_steps=100, forget_after_ms=60_000))
+    _pressure(ctl, 300, full=True, waiting=3)  # w0 offloaded at unix_ms 0, then silent
+    assert ctl.directive("w0") == OFFLOADED
+    keep = lambda b: 0  # noqa: E731
+    for t in range(0, 80_000, 500):  # w1 steps on for 80 s (silence is checked every quarter of the limit)
+        ctl.observe(dataclasses.replace(stats(4, 0, worker="w1"), unix_ms=t), keep, lambda b: 0.0, lambda b, b2: 0.0, 0.01)
+        if t == 59_500:
+            assert set(ctl.workers) == {"w0", "w1"}  # not before forget_after_ms
+    assert set(ctl.workers) == {"w1"} and ctl.directive("w0") == RESIDENT
+    restored = ResidencyController(ctl.settings)
+    restored.load_state_dict(ctl.state_dict())
+    assert restored.workers["w1"].last_step_ms == ctl.workers["w1"].last_step_ms > 0
+
+
+def test_batching_gain_follows_the_roofline():
+    policy = make_policy("nightjar", gamma_max=2)
+    assert isinstance(policy, NightjarPolicy)
+    for b in (1, 2, 4, 8, 16, 32, 64):  # memory-bound up to 16 tokens, compute-bound after
+        for _ in range(4):
+            policy.update(stats(b, 0, verify_ms=1.0 + max(4.0, 0.25 * b)))
+    assert policy.batching_gain(4, 8) > 0.5  # flat step time: twice the batch, ~twice the tokens/s
+    assert abs(policy.batching_gain(40, 60)) < 0.05  # compute-bound: nothing to gain
+    assert policy.batching_gain(8, 8) == 0.0
+
+
+def test_reload_needs_calm_fit_and_gain_with_dwell():
+    ctl = ResidencyController(ResidencySettings(min_dwell_steps=100))
+    _pressure(ctl, 300, full=True, waiting=3)
+    assert ctl.directive("w0") == OFFLOADED
+    _pressure(ctl, 300, full=False, waiting=0, batch=2, gain=0.0, residency=OFFLOADED)
+    assert ctl.directive("w0") == OFFLOADED  # nothing to gain: stays offloaded
+    _pressure(ctl, 300, full=False, waiting=0, batch=2, gain=0.5, residency=OFFLOADED)
+    assert ctl.directive("w0") == RESIDENT
+    assert ctl.workers["w0"].offloads == 1 and ctl.workers["w0"].reloads == 1
+
+
+def test_nightjar_nooffload_never_directs_an_offload():
+    policy = make_policy("nightjar-nooffload", gamma_max=4)
+    assert isinstance(policy, NightjarPolicy)
+    for _ in range(2000):
+        policy.update(stats(64, policy.gamma_for(64), verify_ms=17.0, used=99, free=1, waiting=10))
+    assert policy.residency_for("w0") == RESIDENT and policy.residency() == {}
+
+
+def test_step_cost_model_separates_prefill_rows_in_mixed_steps():
+    """The engine runs new prompts in the decode step's target forward: verify = v(n) + c·prefill."""
+    model = StepCostModel()
+    roof = lambda n: 1.0 + max(4.0, 0.25 * n)  # noqa: E731
+    for b in (16, 32, 48):
+        for _ in range(6):
+            model.observe(b, 0, 0.0, roof(b))
+    for _ in range(10):
+        for b in (16, 32, 48):
+            model.observe_mixed(b, 0, 0.0, roof(b) + 0.1 * 200, prefill_tokens=200)
+    assert model.prefill_ms_per_token == pytest.approx(0.1, rel=0.05)
+    for _ in range(6):  # B=24 only ever seen in mixed steps still teaches v(24)
+        model.observe_mixed(24, 0, 0.0, roof(24) + 0.1 * 300, prefill_tokens=300)
+    assert model.verify.mean[24] == pytest.approx(roof(24), rel=0.05)
+
+
+def test_step_cost_model_extrapolates_below_the_observed_range_optimistically():
+    model = StepCostModel()
+    roof = lambda n: 1.0 + max(4.0, 0.25 * n)  # noqa: E731
+    for n in (64, 72, 80, 96):  # only large steps seen so far (γ>0 at a big batch)
+        model.verify.observe(n, roof(n))
+    below = float(model.verify.predict(np.array([40.0]))[0])
+    assert below == pytest.approx(roof(40), rel=0.05) and below < roof(64)
