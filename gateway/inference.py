@@ -10,7 +10,6 @@ enqueue, stream, and cancel at the worker when the client leaves first.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -24,10 +23,9 @@ from gateway.errors import DeadlineExceeded
 from gateway.request_queue import RequestQueue
 from gateway.validation import Limits, ValidRequest, check_length, prompt_byte_cap
 from nightjar import metrics as m
-from nightjar.text import FastTokenizer
 from nightjar.messages import Job
 from nightjar.service_util import now_ms
-
+from nightjar.text import FastTokenizer
 
 request_log = logging.getLogger("gateway.requests")
 
@@ -82,7 +80,7 @@ class Inference:
                 check_length(len(prompt_ids), valid.params.max_tokens, self.limits)
                 entry.enqueued = True  # before the await: a cancel that lands during XADD must still be sent
                 await self._queue.enqueue(Job(
-                    request_id=request_id, prompt_token_ids=tuple(prompt_ids), params=dataclasses.asdict(valid.params),
+                    request_id=request_id, prompt_token_ids=tuple(prompt_ids), params=valid.params.to_dict(),
                     # the budget left, not a time on this host's clock (workers judge it on theirs)
                     deadline_budget_ms=(max(1, int((deadline - asyncio.get_running_loop().time()) * 1000))
                                         if deadline is not None else 0),

@@ -13,8 +13,6 @@ counts. ``deadline_unix_ms`` from a gateway of the old version is still honoured
 
 from __future__ import annotations
 
-import dataclasses
-
 from nightjar.messages import Job
 from nightjar.service_util import now_ms
 
@@ -54,4 +52,4 @@ def forwarded(job: Job, left_ms: int | None) -> Job:
     """The job to write on to the next stream: its budget is what is left now."""
     if left_ms is None or job.deadline_budget_ms <= 0:
         return job
-    return dataclasses.replace(job, deadline_budget_ms=max(1, left_ms))
+    return job.replace(deadline_budget_ms=max(1, left_ms))

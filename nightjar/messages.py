@@ -1,26 +1,19 @@
-"""Every record that crosses a process boundary, and its msgpack codec.
+"""Every record that crosses a process boundary, and its one codec: msgspec Structs as msgpack.
 
-Records are frozen dataclasses encoded as a msgpack map of field name -> value. Decoding
-never runs code (msgpack only, no pickle), refuses payloads over ``MAX_MESSAGE_BYTES``,
-caps every container, and checks every field's type against the annotation, so a malformed
-queue entry raises ``MessageError`` instead of travelling further.
-
-Unknown fields are ignored (a newer writer may add fields); missing fields take their
-default, and a missing field without a default is an error.
+Decoding never runs code, refuses payloads over ``MAX_MESSAGE_BYTES`` and checks every field's
+type (typed decoders in C), so a malformed queue entry raises ``MessageError`` instead of
+travelling further. Unknown fields are ignored (a newer writer may add fields); missing fields
+take their default, and a missing field without a default is an error.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar, get_args, get_origin, get_type_hints
+import enum
+from typing import Any, ClassVar, TypeVar
 
-import msgpack
+import msgspec
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a 32k-token prompt is ~160 KB; 4 MiB leaves room, bounds abuse
-MAX_CONTAINER_LEN = 1 << 20
 
 T = TypeVar("T", bound="Message")
 
@@ -29,152 +22,74 @@ class MessageError(ValueError):
     """A payload that is not a valid record of the expected type."""
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(msgspec.Struct, frozen=True):
     KIND: ClassVar[str] = "message"
 
     def encode(self) -> bytes:
-        # A shallow map: fields hold plain values (numbers, strings, bytes, tuples, maps) that
-        # msgpack packs as they are, with the same bytes as dataclasses.asdict's deep copy at
-        # 1/5 to 1/15 of the cost (it is on every request's and every token chunk's path).
-        try:
-            return msgpack.packb({name: getattr(self, name) for name in _names(type(self))}, use_bin_type=True)
-        except TypeError:  # a nested record: asdict turns it into maps
-            return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+        return _ENCODER.encode(self)
 
     @classmethod
     def decode(cls: type[T], data: bytes | bytearray | memoryview) -> T:
         if len(data) > MAX_MESSAGE_BYTES:
             raise MessageError(f"{cls.__name__}: payload of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
-        try:
-            obj = msgpack.unpackb(
-                bytes(data),
-                raw=False,
-                strict_map_key=True,
-                max_bin_len=MAX_MESSAGE_BYTES,
-                max_str_len=MAX_MESSAGE_BYTES,
-                max_array_len=MAX_CONTAINER_LEN,
-                max_map_len=MAX_CONTAINER_LEN,
-                max_ext_len=0,
-            )
-        except Exception as exc:  # msgpack raises several unrelated types
-            raise MessageError(f"{cls.__name__}: not valid msgpack ({exc})") from None
-        return cls.from_dict(obj)
+        return decode_any(cls, data, what=cls.__name__)
 
     @classmethod
     def from_dict(cls: type[T], obj: Any) -> T:
-        if not isinstance(obj, dict):
-            raise MessageError(f"{cls.__name__}: expected a map, got {type(obj).__name__}")
-        kwargs = {}
-        for name, check, required in _schema(cls):
-            if name in obj:
-                kwargs[name] = check(obj[name])
-            elif required:
-                raise MessageError(f"{cls.__name__}: missing field {name!r}")
         try:
-            return cls(**kwargs)
-        except (TypeError, ValueError) as exc:
+            return msgspec.convert(obj, cls)
+        except msgspec.ValidationError as exc:
             raise MessageError(f"{cls.__name__}: {exc}") from None
 
+    def to_dict(self) -> dict[str, Any]:
+        """The record as plain values (maps, lists), as it goes on the wire."""
+        return msgspec.to_builtins(self)
 
-_NAMES: dict[type, tuple[str, ...]] = {}
-_SCHEMAS: dict[type, tuple[tuple[str, Any, bool], ...]] = {}
-
-
-def _names(cls: type) -> tuple[str, ...]:
-    if cls not in _NAMES:
-        _NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
-    return _NAMES[cls]
+    def replace(self: T, **changes: Any) -> T:
+        return msgspec.structs.replace(self, **changes)
 
 
-def _schema(cls: type) -> tuple[tuple[str, Any, bool], ...]:
-    """(field name, checker, required) per field, built once per class: an output chunk is
-    decoded for every streamed token, and the generic per-field path (Optional fields recursing
-    through the Union) was half its decode time (16 -> 7 µs per chunk)."""
-    if cls not in _SCHEMAS:
-        hints = get_type_hints(cls)
-        _SCHEMAS[cls] = tuple(
-            (f.name, _checker(hints[f.name], f"{cls.__name__}.{f.name}"),
-             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-            for f in dataclasses.fields(cls))
-    return _SCHEMAS[cls]
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS: dict[Any, msgspec.msgpack.Decoder] = {}
 
 
-def _checker(tp: Any, where: str):
-    """``_check`` for one field type, with the exact-type case answered without it."""
-    exact = _EXACT.get(tp)
-    if exact is None:
-        return lambda value: _check(value, tp, where)
-    plain, optional = exact
-
-    def check(value: Any) -> Any:
-        kind = type(value)
-        if kind is plain or (optional and value is None):
-            return value
-        return _check(value, tp, where)
-
-    return check
+def _decoder(tp: Any) -> msgspec.msgpack.Decoder:
+    """One typed decoder per record type (or union of tagged records), built on first use."""
+    dec = _DECODERS.get(tp)
+    if dec is None:
+        dec = _DECODERS[tp] = msgspec.msgpack.Decoder(tp)
+    return dec
 
 
-_PLAIN = (int, str, bytes, bool, float)
-_INT_TUPLES = (tuple[int, ...],)
-# Field types whose common value is of exactly one plain type (or None): (type, None allowed).
-_EXACT: dict[Any, tuple[type, bool]] = {
-    **{t: (t, False) for t in _PLAIN},
-    **{t | None: (t, True) for t in _PLAIN},
-}
+def decode_any(tp: Any, data: bytes | bytearray | memoryview, max_bytes: int = MAX_MESSAGE_BYTES,
+               what: str = "record") -> Any:
+    """Decode ``data`` as ``tp`` (a record, or a union of tagged records), within ``max_bytes``."""
+    if len(data) > max_bytes:
+        raise MessageError(f"{what}: payload of {len(data)} bytes exceeds {max_bytes}")
+    try:
+        return _decoder(tp).decode(data)
+    except msgspec.ValidationError as exc:  # a subclass of DecodeError: test it first
+        raise MessageError(f"{what}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise MessageError(f"{what}: not valid msgpack ({exc})") from None
 
 
-def _check(value: Any, tp: Any, where: str) -> Any:
-    """Return ``value`` converted to ``tp`` (lists -> tuples) or raise MessageError."""
-    # Fast paths first (token chunks are decoded for every streamed token): a value of
-    # exactly the plain type, and a list of plain ints, need no typing introspection.
-    if tp in _PLAIN and type(value) is tp:
-        return value
-    if tp in _INT_TUPLES and type(value) in (list, tuple) and all(type(v) is int for v in value):
-        return tuple(value)
-    origin = get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        for arm in get_args(tp):
-            if arm is type(None) and value is None:
-                return None
-            if arm is not type(None):
-                try:
-                    return _check(value, arm, where)
-                except MessageError:
-                    continue
-        raise MessageError(f"{where}: {value!r:.80} is not {tp}")
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise MessageError(f"{where}: expected a list, got {type(value).__name__}")
-        (item_tp, _ellipsis) = get_args(tp)
-        return tuple(_check(v, item_tp, where) for v in value)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise MessageError(f"{where}: expected a map, got {type(value).__name__}")
-        ktp, vtp = get_args(tp)
-        return {_check(k, ktp, where): _check(v, vtp, where) for k, v in value.items()}
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise MessageError(f"{where}: expected a number, got {type(value).__name__}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise MessageError(f"{where}: expected an integer, got {type(value).__name__}")
-        return value
-    if tp in (str, bool, bytes):
-        if not isinstance(value, tp):
-            raise MessageError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-        return value
-    if tp is Any:
-        return value
-    raise MessageError(f"{where}: unsupported field type {tp}")  # pragma: no cover - schema bug
+class Residency(str, enum.Enum):
+    """Where the draft model's weights are (a str, so it compares and encodes as its value)."""
+
+    RESIDENT = "resident"
+    OFFLOADING = "offloading"
+    OFFLOADED = "offloaded"
+    RELOADING = "reloading"
+    NONE = "none"  # no draft model
+
+    def __str__(self) -> str:
+        return self.value
 
 
 # --------------------------------------------------------------------------- requests
 
 
-@dataclass(frozen=True)
 class SamplingParams(Message):
     """Validated by the gateway; the engine re-checks (it is also a public Python API)."""
 
@@ -187,7 +102,6 @@ class SamplingParams(Message):
     ignore_eos: bool = False  # benchmarks force exact output lengths
 
 
-@dataclass(frozen=True)
 class Job(Message):
     """A queued request: gateway -> requests stream -> scheduler -> worker inbox."""
 
@@ -204,13 +118,14 @@ class Job(Message):
 
     @property
     def sampling(self) -> SamplingParams:
+        """The params as a record: kept a map on the wire so that a job with bad params still
+        decodes, and the worker answers it with an error chunk instead of a dead letter."""
         return SamplingParams.from_dict(self.params)
 
 
 # --------------------------------------------------------------------------- outputs
 
 
-@dataclass(frozen=True)
 class OutputChunk(Message):
     """One entry of a request's output stream.
 
@@ -231,7 +146,6 @@ class OutputChunk(Message):
     worker_id: str = ""
 
 
-@dataclass(frozen=True)
 class Cancel(Message):
     request_id: str
     reason: str = "cancelled"
@@ -240,7 +154,6 @@ class Cancel(Message):
 # --------------------------------------------------------------------------- workers
 
 
-@dataclass(frozen=True)
 class Heartbeat(Message):
     """Published with a TTL; the scheduler picks the worker with the most free capacity."""
 
@@ -256,7 +169,7 @@ class Heartbeat(Message):
     draft_residency: str  # "resident" | "offloading" | "offloaded" | "reloading" | "none"
     policy_version: int = -1
     started_unix_ms: int = 0
-    memory_bytes: dict[str, int] = field(default_factory=dict)  # device budget by part (worker/engine/memory.py)
+    memory_bytes: dict[str, int] = msgspec.field(default_factory=dict)  # device budget by part (worker/engine/memory.py)
     # SIGTERM: finishing what it runs, taking nothing new; the scheduler and the gateways'
     # lease script send it no more work (it is still alive: its jobs are not re-dispatched).
     draining: bool = False
@@ -265,7 +178,6 @@ class Heartbeat(Message):
     engine_steps: int = 0
 
 
-@dataclass(frozen=True)
 class StepStats(Message):
     """What one engine step measured; the planner learns from these."""
 
@@ -288,13 +200,12 @@ class StepStats(Message):
     preempted: int = 0
     draft_residency: str = "none"
     acceptance_alarm: bool = False  # acceptance collapsed while it had been healthy
-    memory_bytes: dict[str, int] = field(default_factory=dict)  # device budget by part (worker/engine/memory.py)
+    memory_bytes: dict[str, int] = msgspec.field(default_factory=dict)  # device budget by part (worker/engine/memory.py)
 
 
 # --------------------------------------------------------------------------- policy
 
 
-@dataclass(frozen=True)
 class Policy(Message):
     """γ per batch-size bucket plus draft residency per worker, published by the planner.
 
@@ -313,7 +224,7 @@ class Policy(Message):
     ttl_s: float
     bucket_upper_bounds: tuple[int, ...]
     gamma_by_bucket: tuple[int, ...]
-    residency: dict[str, str] = field(default_factory=dict)  # worker_id -> "resident"|"offloaded"
+    residency: dict[str, str] = msgspec.field(default_factory=dict)  # worker_id -> "resident"|"offloaded"
     name: str = "nightjar"
     epoch: str = ""  # "" = a planner from before epochs (one epoch for all of them)
 
@@ -330,10 +241,33 @@ class Policy(Message):
         return self.gamma_by_bucket[-1]
 
 
-@dataclass(frozen=True)
 class DeadLetter(Message):
     entry_id: str
     reason: str
     deliveries: int
     payload: bytes = b""  # the raw entry, truncated to 64 KiB
     unix_ms: int = 0
+
+
+class PlannerState(Message):
+    """The planner's saved state (keys.planner_state): its policy's learned statistics, and the
+    config they were learned under (resumed only by a planner with the same one)."""
+
+    FORMAT: ClassVar[int] = 1
+    MAX_BYTES: ClassVar[int] = 16 << 20  # a nightjar state is a few KB to a few hundred KB
+
+    format: int
+    version: int
+    policy: str
+    gamma_max: int
+    buckets: tuple[int, ...]
+    state: dict[Any, Any]  # GammaPolicy.state_dict()
+    epoch: str = ""
+    saved_unix_ms: int = 0
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray | memoryview) -> PlannerState:
+        saved = decode_any(cls, data, cls.MAX_BYTES, what="saved planner state unreadable")
+        if saved.format != cls.FORMAT:
+            raise MessageError(f"saved planner state is in format {saved.format}, not {cls.FORMAT}")
+        return saved

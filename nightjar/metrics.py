@@ -19,19 +19,16 @@ Units are in the names (``_seconds``, ``_bytes``, ``_perc`` is a 0-1 fraction as
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
-
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest,
                                start_http_server)
 
-if TYPE_CHECKING:  # keep `import nightjar.metrics` free of the msgpack codec at import time
-    from nightjar.messages import Policy, StepStats
+from nightjar.messages import Policy, Residency, StepStats
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 FINISH_REASONS = ("stop", "length", "abort", "error", "deadline", "rejected", "other")
 MOVE_DIRECTIONS = ("offload", "reload")
-RESIDENCY_STATES = ("resident", "offloading", "offloaded", "reloading", "none")
+RESIDENCY_STATES = tuple(r.value for r in Residency)
 MAX_POSITION_LABELS = 16  # accepted-per-position series beyond this are summed into position "16+"
 
 # Latency buckets: vLLM's, extended downwards because the CPU test models answer in milliseconds.
@@ -263,7 +260,7 @@ def set_residency(state: str) -> None:
     """Set the draft residency gauges ("resident", "offloading", "offloaded", "reloading", "none")."""
     if state not in RESIDENCY_STATES:
         raise ValueError(f"draft residency must be one of {RESIDENCY_STATES}, got {state!r}")
-    DRAFT_RESIDENT.labels(model_name=_model_name).set(1 if state == "resident" else 0)
+    DRAFT_RESIDENT.labels(model_name=_model_name).set(1 if state == Residency.RESIDENT else 0)
     for s in RESIDENCY_STATES:
         DRAFT_RESIDENCY.labels(model_name=_model_name, state=s).set(1 if s == state else 0)
 

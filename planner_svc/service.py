@@ -2,7 +2,7 @@
 
     read a batch of stats (XREADGROUP, own pending entries first after a restart)
     → policy.update(each) → XACK → publish if the table/residency changed or ttl/3 passed
-    → save state (msgpack) to keys.planner_state now and then
+    → save state (nightjar.messages.PlannerState) to keys.planner_state now and then
 
 A bad entry is logged and acknowledged, never retried forever. The version only grows within
 an epoch (nightjar.messages.Policy): a restarted planner resumes its saved epoch and starts
@@ -22,16 +22,14 @@ import secrets
 import time
 from typing import Any
 
-import msgpack
 from redis.exceptions import RedisError, ResponseError
 
 from nightjar.keys import Keys
-from nightjar.messages import MessageError, Policy, StepStats
+from nightjar.messages import MessageError, PlannerState, Policy, StepStats
 from planner_svc.config import PlannerConfig
 from planner_svc.policies import GammaPolicy, make_policy
 
 log = logging.getLogger("planner")
-STATE_FORMAT = 1
 STATS_FIELD = b"s"  # worker.service.loops writes XADD keys.stats {b"s": StepStats.encode()}
 VERSION_LIMIT = 2**63 - 1  # signed 64-bit, so any reader's integer type holds it
 
@@ -44,27 +42,10 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-STATE_MAX_BYTES = 16 << 20  # a nightjar state is a few KB to a few hundred KB; anything this big is not ours
-
 
 def encode_state(cfg: PlannerConfig, version: int, policy: GammaPolicy, epoch: str = "") -> bytes:
-    """The planner's saved state (keys.planner_state): msgpack, the policy's learned statistics."""
-    return msgpack.packb({"format": STATE_FORMAT, "version": version, "epoch": epoch, "policy": cfg.policy,
-                          "gamma_max": cfg.gamma_max, "buckets": list(cfg.buckets),
-                          "saved_unix_ms": now_ms(), "state": policy.state_dict()}, use_bin_type=True)
-
-
-def decode_state(raw: bytes) -> dict[str, Any]:
-    """A saved state back as a dict; ValueError if it is too big, malformed or another format."""
-    if len(raw) > STATE_MAX_BYTES:
-        raise ValueError(f"saved planner state is {len(raw)} bytes (limit {STATE_MAX_BYTES})")
-    try:
-        state = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_ext_len=0)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise ValueError(f"saved planner state unreadable: {exc}") from None
-    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or not isinstance(state.get("state"), dict):
-        raise ValueError("saved planner state is not in this planner's format")
-    return state
+    return PlannerState(PlannerState.FORMAT, version, cfg.policy, cfg.gamma_max, tuple(cfg.buckets),
+                        policy.state_dict(), epoch, now_ms()).encode()
 
 
 class PlannerService:
@@ -106,14 +87,13 @@ class PlannerService:
         if not raw:
             return
         try:
-            state = decode_state(raw)
-            self.version = max(self.version, int(state["version"]))
-            if (state.get("policy") == self.cfg.policy
-                    and state.get("gamma_max") == self.cfg.gamma_max
-                    and list(state.get("buckets", ())) == list(self.cfg.buckets)):
-                self.policy.load_state_dict(state["state"])
-                if isinstance(state.get("epoch"), str) and state["epoch"]:
-                    self.epoch = state["epoch"]
+            saved = PlannerState.decode(raw)
+            self.version = max(self.version, saved.version)
+            if (saved.policy, saved.gamma_max, saved.buckets) == (self.cfg.policy, self.cfg.gamma_max,
+                                                                    tuple(self.cfg.buckets)):
+                self.policy.load_state_dict(saved.state)
+                if saved.epoch:
+                    self.epoch = saved.epoch
                 log.info("resumed %s from saved state (epoch %s, version %d)", self.cfg.policy, self.epoch, self.version)
             else:
                 log.info("saved state is for another policy/config; starting fresh at version %d", self.version)

@@ -22,7 +22,6 @@ that way never pass through here but leave the same records, so re-dispatch cove
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 
@@ -318,7 +317,7 @@ class Dispatcher:
                 if target is None:
                     return False  # no live worker yet: try again on the next check
                 log.warning("re-dispatching %s from dead worker %s to %s (attempt %d)", rid, dead_worker, target, job.attempt + 1)
-                self._assign(pipe, dataclasses.replace(job, attempt=job.attempt + 1), target, now_ms())
+                self._assign(pipe, job.replace(attempt=job.attempt + 1), target, now_ms())
             pipe.srem(k.worker_assignments(dead_worker), rid)
             await pipe.execute()
         if not await self.redis.scard(k.worker_assignments(dead_worker)):

@@ -234,22 +234,21 @@ class QueueReader:
         # Imported here: the other views stay free of numpy and the planner's policies.
         import numpy as np
 
+        from nightjar.messages import PlannerState
         from planner_svc.policies import make_policy
-        from planner_svc.service import decode_state
 
         raw = self.r.get(self.keys.planner_state)
         if raw is None:
             return {"model": None, "error": None}
         try:
-            state = decode_state(raw)
-            policy = make_policy(str(state["policy"]), gamma_max=int(state["gamma_max"]),
-                                 buckets=tuple(int(b) for b in state["buckets"]))
-            policy.load_state_dict(state["state"])
+            state = PlannerState.decode(raw)
+            policy = make_policy(state.policy, gamma_max=state.gamma_max, buckets=state.buckets)
+            policy.load_state_dict(state.state)
         except (ValueError, KeyError, TypeError) as exc:
             return {"model": None, "error": str(exc)}
         cost = getattr(policy, "cost", None)
         if cost is None:
-            return {"model": None, "error": f"policy {state['policy']!r} keeps no step-cost model"}
+            return {"model": None, "error": f"policy {state.policy!r} keeps no step-cost model"}
         buckets = []
         for i, tl in enumerate(policy.timelines):
             sizes, weights = tl.support()
@@ -260,8 +259,8 @@ class QueueReader:
                 row["step_ms"] = [round(float(x), 3) for x in step]
                 row["ms_per_token"] = [round(float(x), 4) for x in policy.losses(i)]
             buckets.append(row)
-        return {"model": {"policy": state["policy"], "version": state.get("version"),
-                          "age_s": self._age_s(int(state.get("saved_unix_ms", 0))),
+        return {"model": {"policy": state.policy, "version": state.version,
+                          "age_s": self._age_s(state.saved_unix_ms),
                           "updates": policy.updates, "gamma_max": policy.gamma_max, "switches": policy.switches,
                           "prefill_ms_per_token": round(cost.prefill_ms_per_token, 4),
                           "expected_tokens": [round(float(x), 3) for x in policy.acceptance.expected_tokens()],

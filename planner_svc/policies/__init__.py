@@ -1,6 +1,6 @@
 """γ policies: the nightjar bandit and the baselines, behind one interface (see base.py)."""
 
-from planner_svc.policies.base import DEFAULT_BUCKETS, OFFLOADED, RESIDENT, Context, Decision, GammaPolicy
+from planner_svc.policies.base import DEFAULT_BUCKETS, Context, Decision, GammaPolicy
 from planner_svc.policies.factory import SPECS, make_policy
 from planner_svc.policies.nightjar import NightjarPolicy, NightjarSettings
 

@@ -13,11 +13,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from nightjar.messages import StepStats
+from nightjar.messages import Residency, StepStats
 
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-RESIDENT = "resident"
-OFFLOADED = "offloaded"
 
 
 @dataclass(frozen=True)
@@ -49,7 +47,7 @@ class SurfacePrior:
 @dataclass(frozen=True)
 class Decision:
     gamma: int
-    residency: str = RESIDENT  # directive for the context's worker
+    residency: str = Residency.RESIDENT  # directive for the context's worker
 
 
 def bucket_index(bounds: tuple[int, ...], batch_size: int) -> int:
@@ -80,7 +78,7 @@ class GammaPolicy(ABC):
         """γ the policy currently wants for this batch size (pure look-up)."""
 
     def residency_for(self, worker_id: str) -> str:
-        return RESIDENT
+        return Residency.RESIDENT
 
     def select(self, context: Context) -> Decision:
         return Decision(self.gamma_for(context.batch_size), self.residency_for(context.worker_id))

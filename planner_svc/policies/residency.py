@@ -30,8 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from nightjar.messages import StepStats
-from planner_svc.policies.base import OFFLOADED, RESIDENT
+from nightjar.messages import Residency, StepStats
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ class ResidencySettings:
 
 @dataclass
 class _WorkerState:
-    residency: str = RESIDENT
+    residency: str = Residency.RESIDENT
     pressure: float = 0.0
     steps_since_change: int = 1 << 30
     resident_kv_total: int = 0  # KV blocks the worker had while the draft was resident
@@ -88,7 +87,7 @@ class ResidencyController:
 
     def directive(self, worker_id: str) -> str:
         state = self.workers.get(worker_id)
-        return state.residency if state else RESIDENT
+        return state.residency if state else Residency.RESIDENT
 
     def observe(self, stats: StepStats, gamma_wanted: Callable[[int], int], gain: Callable[[int], float],
                 batching_gain: Callable[[int, int], float], catchup_ms_per_token: float) -> None:
@@ -103,13 +102,13 @@ class ResidencyController:
         full = total > 0 and stats.kv_blocks_used >= s.kv_full_fraction * total
         w.pressure += s.pressure_smoothing * (float(full and stats.waiting > 0) - w.pressure)
         w.steps_since_change += 1
-        if stats.draft_residency == RESIDENT and total > 0:
+        if stats.draft_residency == Residency.RESIDENT and total > 0:
             w.resident_kv_total = total
-        elif stats.draft_residency == OFFLOADED and total > 0:
+        elif stats.draft_residency == Residency.OFFLOADED and total > 0:
             w.offloaded_kv_total = total
         if w.steps_since_change < s.min_dwell_steps or w.steps_since_change % 16:
             return  # both moves are slow decisions; checking every 16 steps keeps update() cheap
-        if w.residency == RESIDENT:
+        if w.residency == Residency.RESIDENT:
             # γ in force is 0 *and* the model sees nothing to gain from speculating at this
             # batch size: a stale or exploring table must not push the draft out while it pays.
             b = stats.batch_size
@@ -117,14 +116,14 @@ class ResidencyController:
                 grown = self._grown_batch(w, stats)
                 if gain(grown) > s.offload_max_gain or batching_gain(b, grown) < s.offload_min_batching_gain:
                     return
-                w.residency, w.steps_since_change = OFFLOADED, 0
+                w.residency, w.steps_since_change = Residency.OFFLOADED, 0
                 w.offloads += 1
             return
         if gain(stats.batch_size) >= s.reload_gain_under_pressure:
             # Speculation pays a lot even at this (larger) batch: the offload was a mistake or
             # the world changed; take the draft back even under pressure (the engine waits for
             # the used KV to fit the smaller pool).
-            w.residency, w.steps_since_change = RESIDENT, 0
+            w.residency, w.steps_since_change = Residency.RESIDENT, 0
             w.reloads += 1
             return
         pool = w.resident_kv_total or total // 2
@@ -132,7 +131,7 @@ class ResidencyController:
             return
         catchup_ms = catchup_ms_per_token * stats.kv_blocks_used * s.block_tokens
         if gain(stats.batch_size) * s.gain_horizon_ms > s.reload_cost_ms + catchup_ms:
-            w.residency, w.steps_since_change = RESIDENT, 0
+            w.residency, w.steps_since_change = Residency.RESIDENT, 0
             w.reloads += 1
 
     def _forget_silent(self, now_ms: int) -> None:
@@ -159,7 +158,7 @@ class ResidencyController:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for wid, row in state.items():
             # 6 or 7 fields: state saved before offloaded_kv_total / last_step_ms existed.
-            if isinstance(row, list) and len(row) in (6, 7, 8) and row[0] in (RESIDENT, OFFLOADED):
+            if isinstance(row, list) and len(row) in (6, 7, 8) and row[0] in (Residency.RESIDENT, Residency.OFFLOADED):
                 self.workers[str(wid)] = _WorkerState(str(row[0]), float(row[1]), int(row[2]), int(row[3]),
                                                       int(row[6]) if len(row) >= 7 else 0, int(row[4]), int(row[5]),
                                                       int(row[7]) if len(row) == 8 else 0)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from nightjar.messages import StepStats
-from planner_svc.policies.base import RESIDENT, Context, GammaPolicy
+from nightjar.messages import Residency, StepStats
+from planner_svc.policies.base import Context, GammaPolicy
 
 
 class PolicyCalls:
@@ -39,4 +39,4 @@ class PolicyCalls:
 
 
 def _resident(worker_id: str) -> str:
-    return RESIDENT
+    return Residency.RESIDENT

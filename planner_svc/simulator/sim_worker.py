@@ -22,40 +22,22 @@ reloading waits until the used KV fits the smaller pool, shrinks it, and specula
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 
 import numpy as np
 
-from nightjar.messages import StepStats
-from planner_svc.policies.base import OFFLOADED, RESIDENT
+from nightjar.messages import Residency, StepStats
 from planner_svc.simulator.acceptance_process import AcceptanceProcess
 from planner_svc.simulator.cost_surface import CostSurface
 from planner_svc.simulator.policy_calls import PolicyCalls
 
-
 REQ, REM, TOTAL, LAG, RESV = range(5)  # rows of SimWorker.seq (REM and LAG relative: see above)
 NO_FLOOR = 1 << 62  # rem_floor with no live sequence
-_STATS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(StepStats) if f.default is not dataclasses.MISSING}
-_STATS_FACTORIES = {f.name: f.default_factory for f in dataclasses.fields(StepStats)
-                    if f.default_factory is not dataclasses.MISSING}
-assert not hasattr(StepStats, "__post_init__")  # step_stats skips __init__: sound while it checks nothing
 
 
 def step_stats(**values: object) -> StepStats:
-    """The StepStats that ``StepStats(**values)`` builds, at a third of the cost.
-
-    Its generated ``__init__`` validates nothing and sets each of ~20 frozen fields through
-    ``object.__setattr__``; filling the instance dict directly gives an equal record, and the
-    simulator builds one per step. Fields not given take their declared defaults.
-    """
-    stats = object.__new__(StepStats)
-    fields = stats.__dict__
-    fields.update(_STATS_DEFAULTS)
-    for name, factory in _STATS_FACTORIES.items():
-        fields[name] = factory()
-    fields.update(values)
-    return stats
+    """The StepStats of one simulated step (a msgspec Struct: building one is cheap)."""
+    return StepStats(**values)
 
 
 class UniformBuffer:
@@ -106,7 +88,7 @@ class SimWorker:
         self.lag_zero = True  # every live sequence's true draft lag is 0
         self.rem_floor = NO_FLOOR  # <= every live sequence's true remaining tokens
         self.reserved = 0
-        self.residency = RESIDENT  # resident | offloading | offloaded | reloading
+        self.residency = Residency.RESIDENT  # resident | offloading | offloaded | reloading
         self.move_done_ms = 0.0
         self.reload_wanted = False  # a reload waits until the used KV fits the smaller pool
         self.last_gamma = -1
@@ -117,7 +99,7 @@ class SimWorker:
 
     @property
     def draft_ready(self) -> bool:
-        return self.residency == RESIDENT
+        return self.residency == Residency.RESIDENT
 
     def remaining(self) -> np.ndarray:
         """True remaining tokens of the live sequences, [n]."""
@@ -125,22 +107,22 @@ class SimWorker:
 
     def _residency_tick(self, now: float) -> None:
         if self.residency == "offloading" and now >= self.move_done_ms:
-            self.residency, self.pool = OFFLOADED, self.big_pool
-        elif self.reload_wanted and self.residency == OFFLOADED and self.reserved <= self.small_pool:
+            self.residency, self.pool = Residency.OFFLOADED, self.big_pool
+        elif self.reload_wanted and self.residency == Residency.OFFLOADED and self.reserved <= self.small_pool:
             self.residency, self.pool, self.move_done_ms = "reloading", self.small_pool, now + self.reload_ms
             self.reload_wanted = False
         elif self.residency == "reloading" and now >= self.move_done_ms:
-            self.residency = RESIDENT
+            self.residency = Residency.RESIDENT
             # The draft's KV was dropped: its lag is the whole context, TOTAL - remaining.
             n = self.n
             self.seq[LAG, :n] = self.seq[TOTAL, :n] - self.remaining() - self.zero_run
             self.lag_zero = n == 0
 
     def direct(self, residency: str, now: float) -> None:
-        if residency == OFFLOADED and self.residency == RESIDENT:
+        if residency == Residency.OFFLOADED and self.residency == Residency.RESIDENT:
             self.residency, self.move_done_ms = "offloading", now + self.offload_ms
             self.offloads += 1
-        elif residency == RESIDENT and self.residency == OFFLOADED and not self.reload_wanted:
+        elif residency == Residency.RESIDENT and self.residency == Residency.OFFLOADED and not self.reload_wanted:
             self.reload_wanted = True
             self.reloads += 1
 
@@ -148,7 +130,7 @@ class SimWorker:
              uniforms: UniformBuffer, noise: float, first_token_ms: np.ndarray, done_ms: np.ndarray) -> bool:
         """Run one step at ``self.clock``; False when there is nothing to do (caller advances time)."""
         now = self.clock
-        if self.residency != RESIDENT or self.reload_wanted:
+        if self.residency != Residency.RESIDENT or self.reload_wanted:
             self._residency_tick(now)
         n = batch = self.n  # decode batch: sequences already past their prefill
         surface = self.surface
@@ -174,7 +156,7 @@ class SimWorker:
         accepted: tuple[int, ...] = ()
         seq = self.seq
         if n:
-            if self.residency == RESIDENT:
+            if self.residency == Residency.RESIDENT:
                 gamma = min(policy.gamma(n, self.id), self.gamma_max)
             draft_ms = surface.draft_ms[n][gamma]
             verify_ms = surface.verify_ms[n][gamma]

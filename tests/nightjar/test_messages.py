@@ -7,7 +7,7 @@ from nightjar.messages import MAX_MESSAGE_BYTES, Job, MessageError, OutputChunk,
 
 
 def test_round_trip_keeps_every_field():
-    job = Job("r1", (1, 2, 3), SamplingParams(max_tokens=5, stop=("\n",)).__dict__ | {"stop": ["\n"]}, 10, 20, 1)
+    job = Job("r1", (1, 2, 3), SamplingParams(max_tokens=5, stop=("\n",)).to_dict(), 10, 20, 1)
     back = Job.decode(job.encode())
     assert back.request_id == "r1" and back.prompt_token_ids == (1, 2, 3) and back.attempt == 1
     assert back.sampling == SamplingParams(max_tokens=5, stop=("\n",))
@@ -16,16 +16,16 @@ def test_round_trip_keeps_every_field():
 def test_wrong_types_and_missing_fields_are_rejected():
     with pytest.raises(MessageError, match="prompt_token_ids"):
         Job.from_dict({"request_id": "r", "prompt_token_ids": ["x"], "params": {}})
-    with pytest.raises(MessageError, match="missing field 'request_id'"):
+    with pytest.raises(MessageError, match="missing required field `request_id`"):
         Job.from_dict({"prompt_token_ids": [], "params": {}})
-    with pytest.raises(MessageError, match="expected an integer"):
+    with pytest.raises(MessageError, match="Expected `int`, got `bool`"):
         OutputChunk.from_dict({"request_id": "r", "index": True})
 
 
 def test_garbage_and_oversized_payloads_raise_message_error():
     with pytest.raises(MessageError):
         Job.decode(b"\xc1\xff garbage")
-    with pytest.raises(MessageError, match="expected a map"):
+    with pytest.raises(MessageError, match="Expected `object`, got `array`"):
         Job.decode(msgpack.packb([1, 2]))
     with pytest.raises(MessageError, match="exceeds"):
         Job.decode(b"\x00" * (MAX_MESSAGE_BYTES + 1))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from nightjar.messages import StepStats
+from nightjar.messages import Residency, StepStats
 from planner_svc.policies import GammaPolicy
-from planner_svc.policies.base import RESIDENT, Context, Decision
+from planner_svc.policies.base import Context, Decision
 from planner_svc.simulator.trace import Trace, piecewise_poisson, synthetic_lengths
 
 
@@ -40,7 +40,7 @@ def high_then_low(seed: int) -> Trace:
 
 
 def stats(batch: int, gamma: int, *, verify_ms: float = 5.0, draft_ms: float = 0.0, accepted=(), emitted: int = 0,
-          worker: str = "w0", used: int = 10, free: int = 90, waiting: int = 0, residency: str = RESIDENT,
+          worker: str = "w0", used: int = 10, free: int = 90, waiting: int = 0, residency: str = Residency.RESIDENT,
           catchup_ms: float = 0.0, catchup_tokens: int = 0) -> StepStats:
     return StepStats(worker_id=worker, step=0, unix_ms=0, batch_size=batch, gamma=gamma, draft_ms=draft_ms,
                      verify_ms=verify_ms, step_ms=draft_ms + verify_ms, accepted_per_position=tuple(accepted),

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import msgpack
 import numpy as np
 import pytest
 
-from planner_svc.policies import OFFLOADED, RESIDENT, Context, NightjarPolicy, make_policy
+from nightjar.messages import Residency
+from planner_svc.policies import Context, NightjarPolicy, make_policy
 from planner_svc.policies.acceptance_estimate import AcceptanceEstimate
 from planner_svc.policies.residency import ResidencyController, ResidencySettings
 from planner_svc.policies.step_cost_model import StepCostModel
@@ -18,14 +17,13 @@ ALL_SPECS = ["nightjar", "nightjar-nooffload", "off", "fixed:3", "threshold:8", 
              "heuristic", "ema"]
 
 
-
 @pytest.mark.parametrize("spec", ALL_SPECS)
 def test_every_spec_builds_and_answers_within_range(spec):
     policy = make_policy(spec, gamma_max=4, seed=1)
     assert len(policy.table()) == len(policy.buckets) == 7
     for b in (1, 3, 9, 40, 500):
         decision = policy.select(Context(b, "w0"))
-        assert 0 <= decision.gamma <= 4 and decision.residency == RESIDENT
+        assert 0 <= decision.gamma <= 4 and decision.residency == Residency.RESIDENT
 
 
 def test_static_specs_mean_what_they_say():
@@ -130,7 +128,7 @@ def test_nightjar_ignores_malformed_stats():
 
 
 def _pressure(controller: ResidencyController, n: int, *, full: bool, waiting: int, batch: int = 40,
-              gamma_wanted: int = 0, gain: float = 0.0, batching: float = 0.1, residency: str = RESIDENT) -> None:
+              gamma_wanted: int = 0, gain: float = 0.0, batching: float = 0.1, residency: str = Residency.RESIDENT) -> None:
     for _ in range(n):
         used, free = (95, 5) if full else (20, 80)
         controller.observe(stats(batch, 0, used=used, free=free, waiting=waiting, residency=residency),
@@ -143,22 +141,22 @@ def test_offload_needs_sustained_pressure_and_gamma_zero():
     for _ in range(20):  # pressure that comes and goes never builds up
         _pressure(ctl, 5, full=True, waiting=3)
         _pressure(ctl, 10, full=False, waiting=0)
-    assert ctl.directive("w0") == RESIDENT
+    assert ctl.directive("w0") == Residency.RESIDENT
     _pressure(ctl, 200, full=True, waiting=3, gamma_wanted=2)  # pressure, but speculation still pays
-    assert ctl.directive("w0") == RESIDENT
+    assert ctl.directive("w0") == Residency.RESIDENT
     _pressure(ctl, 200, full=True, waiting=3, gamma_wanted=0, gain=0.3)  # γ=0 in force, model disagrees
-    assert ctl.directive("w0") == RESIDENT
+    assert ctl.directive("w0") == Residency.RESIDENT
     _pressure(ctl, 200, full=True, waiting=3, gamma_wanted=0)
-    assert ctl.directive("w0") == OFFLOADED
+    assert ctl.directive("w0") == Residency.OFFLOADED
 
 
 def test_no_offload_where_a_bigger_batch_buys_no_throughput():
     """Compute-bound steps: the freed KV would only trade queueing for slower decoding."""
     ctl = ResidencyController(ResidencySettings(min_dwell_steps=100))
     _pressure(ctl, 300, full=True, waiting=3, batching=0.0)
-    assert ctl.directive("w0") == RESIDENT
+    assert ctl.directive("w0") == Residency.RESIDENT
     _pressure(ctl, 300, full=True, waiting=3, batching=0.05)
-    assert ctl.directive("w0") == OFFLOADED
+    assert ctl.directive("w0") == Residency.OFFLOADED
 
 
 def test_no_offload_where_speculation_pays_at_the_grown_batch():
@@ -167,20 +165,20 @@ def test_no_offload_where_speculation_pays_at_the_grown_batch():
     for _ in range(300):
         ctl.observe(stats(40, 0, used=95, free=5, waiting=30), lambda b: 0, lambda b: 0.0 if b <= 40 else 0.3,
                     lambda b, b2: 0.1, 0.01)
-    assert ctl.directive("w0") == RESIDENT
+    assert ctl.directive("w0") == Residency.RESIDENT
 
 
 def test_a_silent_worker_leaves_the_residency_table():
     """A dead worker must not stay in every published policy (the planner's clock is the steps')."""
     ctl = ResidencyController(ResidencySettings(min_dwell_steps=100, forget_after_ms=60_000))
     _pressure(ctl, 300, full=True, waiting=3)  # w0 offloaded at unix_ms 0, then silent
-    assert ctl.directive("w0") == OFFLOADED
+    assert ctl.directive("w0") == Residency.OFFLOADED
     keep = lambda b: 0  # noqa: E731
     for t in range(0, 80_000, 500):  # w1 steps on for 80 s (silence is checked every quarter of the limit)
-        ctl.observe(dataclasses.replace(stats(4, 0, worker="w1"), unix_ms=t), keep, lambda b: 0.0, lambda b, b2: 0.0, 0.01)
+        ctl.observe(stats(4, 0, worker="w1").replace(unix_ms=t), keep, lambda b: 0.0, lambda b, b2: 0.0, 0.01)
         if t == 59_500:
             assert set(ctl.workers) == {"w0", "w1"}  # not before forget_after_ms
-    assert set(ctl.workers) == {"w1"} and ctl.directive("w0") == RESIDENT
+    assert set(ctl.workers) == {"w1"} and ctl.directive("w0") == Residency.RESIDENT
     restored = ResidencyController(ctl.settings)
     restored.load_state_dict(ctl.state_dict())
     assert restored.workers["w1"].last_step_ms == ctl.workers["w1"].last_step_ms > 0
@@ -200,11 +198,11 @@ def test_batching_gain_follows_the_roofline():
 def test_reload_needs_calm_fit_and_gain_with_dwell():
     ctl = ResidencyController(ResidencySettings(min_dwell_steps=100))
     _pressure(ctl, 300, full=True, waiting=3)
-    assert ctl.directive("w0") == OFFLOADED
-    _pressure(ctl, 300, full=False, waiting=0, batch=2, gain=0.0, residency=OFFLOADED)
-    assert ctl.directive("w0") == OFFLOADED  # nothing to gain: stays offloaded
-    _pressure(ctl, 300, full=False, waiting=0, batch=2, gain=0.5, residency=OFFLOADED)
-    assert ctl.directive("w0") == RESIDENT
+    assert ctl.directive("w0") == Residency.OFFLOADED
+    _pressure(ctl, 300, full=False, waiting=0, batch=2, gain=0.0, residency=Residency.OFFLOADED)
+    assert ctl.directive("w0") == Residency.OFFLOADED  # nothing to gain: stays offloaded
+    _pressure(ctl, 300, full=False, waiting=0, batch=2, gain=0.5, residency=Residency.OFFLOADED)
+    assert ctl.directive("w0") == Residency.RESIDENT
     assert ctl.workers["w0"].offloads == 1 and ctl.workers["w0"].reloads == 1
 
 
@@ -213,7 +211,7 @@ def test_nightjar_nooffload_never_directs_an_offload():
     assert isinstance(policy, NightjarPolicy)
     for _ in range(2000):
         policy.update(stats(64, policy.gamma_for(64), verify_ms=17.0, used=99, free=1, waiting=10))
-    assert policy.residency_for("w0") == RESIDENT and policy.residency() == {}
+    assert policy.residency_for("w0") == Residency.RESIDENT and policy.residency() == {}
 
 
 def test_step_cost_model_separates_prefill_rows_in_mixed_steps():

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import numpy as np
+from msgspec.structs import fields
 
 from nightjar.messages import StepStats
 from planner_svc.policies import make_policy

@@ -8,9 +8,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from nightjar.messages import Residency
 from nightjar.paths import TRACES_DIR
 from planner_svc.policies import make_policy
-from planner_svc.policies.base import OFFLOADED
 from planner_svc.simulator import AcceptanceProcess, SimConfig, load_table, oracle_policy, roofline, simulate, trace_for
 from planner_svc.simulator.trace import Trace, synthetic_lengths
 from tests.planner_svc.conftest import Recorder, high_then_low
@@ -74,7 +74,7 @@ def test_speculation_resumes_soon_after_load_drops():
     policy = Recorder(make_policy("nightjar", gamma_max=GAMMA_MAX, seed=1))
     simulate(high_then_low(0), policy, SURFACE, config)
     seen = policy.seen
-    assert any(s.draft_residency == OFFLOADED for s in seen), "sustained overload should have offloaded the draft"
+    assert any(s.draft_residency == Residency.OFFLOADED for s in seen), "sustained overload should have offloaded the draft"
     high = [i for i, s in enumerate(seen) if s.batch_size >= 32]
     assert high and all(s.gamma == 0 for s in seen[high[-1] - 200: high[-1]]), "γ must be 0 at high load"
     low = next(i for i in range(high[-1], len(seen)) if seen[i].batch_size <= 2)

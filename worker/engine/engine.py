@@ -15,19 +15,18 @@ from typing import Callable
 
 import torch
 
-from nightjar.text import FastTokenizer
-from nightjar.messages import SamplingParams, StepStats
+from nightjar.messages import Message, Residency, SamplingParams, StepStats
+from nightjar.text import FastTokenizer, IncrementalDetokenizer
+from worker.engine.acceptance import AcceptanceMonitor
 from worker.engine.config import EngineConfig
-from nightjar.text import IncrementalDetokenizer
-from worker.engine.memory import MemoryManager, kv_pool_bytes
 from worker.engine.linear import can_pack
+from worker.engine.memory import MemoryManager, kv_pool_bytes
 from worker.engine.model import LlamaModel
 from worker.engine.runner import ModelRunner, Run
 from worker.engine.sampler import RowParams, draw_uniforms, probs_from_logits, sample, validate
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.speculative import Proposal, Speculator, accept_greedy, accept_tokens
-from worker.engine.acceptance import AcceptanceMonitor
 
 log = logging.getLogger("nightjar.engine")
 
@@ -39,8 +38,7 @@ class EngineRequest:
     params: SamplingParams
 
 
-@dataclass(frozen=True)
-class RequestOutput:
+class RequestOutput(Message):
     request_id: str
     index: int  # position in the completion of new_token_ids[0]
     new_token_ids: list[int]
@@ -87,7 +85,7 @@ class Engine:
         if cfg.max_model_len:
             limits.append(cfg.max_model_len)
         self.max_context_tokens = min(limits)
-        self.draft_residency = "resident" if draft is not None else "none"
+        self.draft_residency = Residency.RESIDENT if draft is not None else Residency.NONE
         self._policy: Callable[[int], int] = lambda batch_size: cfg.default_gamma
         self._pending: list[RequestOutput] = []
         self._arrivals = 0
@@ -194,7 +192,7 @@ class Engine:
         return outputs + emitted
 
     def _gamma(self) -> int:
-        if self.speculator is None or self.draft_residency != "resident":
+        if self.speculator is None or self.draft_residency != Residency.RESIDENT:
             return 0
         n = self.scheduler.num_decoding()
         return max(0, min(int(self._policy(n)) if n else 0, self.cfg.gamma_max))

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from nightjar.messages import Residency
 from worker.engine.draft_mover import DraftMover, Transfer
 
 if TYPE_CHECKING:
@@ -44,8 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nightjar.memory")
 
-RESIDENT, OFFLOADING, OFFLOADED, RELOADING, NONE = "resident", "offloading", "offloaded", "reloading", "none"
-DIRECTIVES = (RESIDENT, OFFLOADED)
+DIRECTIVES = (Residency.RESIDENT.value, Residency.OFFLOADED.value)
 
 
 def estimate_workspace_bytes(cfg: "EngineConfig", target: "LlamaModel") -> int:
@@ -155,7 +155,7 @@ class MemoryManager:
         weights = self.target_weight_bytes + (draft.weight_bytes if draft is not None else 0)
         # everything configured; block rounding leaves the pools a little under it
         self.budget = weights + kv_pool_bytes(cfg, self.target.model, draft) + self.workspace
-        self.state = RESIDENT if self.spec is not None else NONE
+        self.state = Residency.RESIDENT if self.spec is not None else Residency.NONE
         self.directive = self.state
         self._source: Callable[[MemoryPressure], str] | None = None
         self.last_offload: Transfer | None = None
@@ -234,9 +234,9 @@ class MemoryManager:
         done = self.mover.poll()
         if done is not None:
             self._finish(done)
-        if self.directive == OFFLOADED and self.state == RESIDENT:
+        if self.directive == Residency.OFFLOADED and self.state == Residency.RESIDENT:
             self._offload()
-        elif self.directive == RESIDENT and self.state == OFFLOADED:
+        elif self.directive == Residency.RESIDENT and self.state == Residency.OFFLOADED:
             self._reload()
 
     def wait(self) -> None:
@@ -258,13 +258,13 @@ class MemoryManager:
         """Directive "offloaded", started now; False if the draft was not resident (nothing started)."""
         if self.spec is None:
             return False
-        self._adopt(OFFLOADED)
+        self._adopt(Residency.OFFLOADED)
         return self._offload()
 
     def _offload(self) -> bool:
-        if self.state != RESIDENT:
+        if self.state != Residency.RESIDENT:
             return False
-        self._set_state(OFFLOADING)
+        self._set_state(Residency.OFFLOADING)
         dblocks = self.spec.runner.blocks
         self.engine.drop_draft_kv()  # dropped wholesale; the catch-up rebuilds it after the reload
         assert dblocks.num_used == 0, "a draft block is held by a sequence the scheduler does not know"
@@ -295,11 +295,11 @@ class MemoryManager:
         why it was refused (the directive stays: it is retried each step until it is safe)."""
         if self.spec is None:
             return None
-        self._adopt(RESIDENT)
+        self._adopt(Residency.RESIDENT)
         return self._reload()
 
     def _reload(self) -> str | None:
-        if self.state != OFFLOADED:
+        if self.state != Residency.OFFLOADED:
             return None
         why = self._squeeze()
         if why is not None:
@@ -313,7 +313,7 @@ class MemoryManager:
         self.spec.runner.kv.resize(self.base_blocks)
         self.spec.runner.blocks.grow(self.base_blocks)
         self.mover.start_reload()
-        self._set_state(RELOADING)
+        self._set_state(Residency.RELOADING)
         self._check()
         done = self.mover.poll()
         if done is not None:
@@ -346,14 +346,14 @@ class MemoryManager:
 
     def _finish(self, t: Transfer) -> None:
         if t.direction == "offload":
-            assert self.state == OFFLOADING
-            self._set_state(OFFLOADED)
+            assert self.state == Residency.OFFLOADING
+            self._set_state(Residency.OFFLOADED)
             self._grow_target()
             self.last_offload = t
             self.offloads += 1
         else:
-            assert self.state == RELOADING
-            self._set_state(RESIDENT)
+            assert self.state == Residency.RELOADING
+            self._set_state(Residency.RESIDENT)
             self.last_reload = t
             self.reloads += 1
         self._check()

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker.engine.memory import OFFLOADED, OFFLOADING, RESIDENT, MemoryPressure
+from nightjar.messages import Residency
+from worker.engine.memory import MemoryPressure
 
 
 @dataclass
@@ -38,9 +39,9 @@ class PressureRule:
         else:
             self._waiting_steps = 0
             self._calm_steps += 1
-        away = p.state in (OFFLOADING, OFFLOADED)
+        away = p.state in (Residency.OFFLOADING, Residency.OFFLOADED)
         if not away and self._waiting_steps >= self.offload_after:
-            return OFFLOADED
+            return Residency.OFFLOADED
         if away and self._calm_steps >= self.reload_after and p.blocks_used <= self.reload_below * p.base_blocks:
-            return RESIDENT
-        return OFFLOADED if away else RESIDENT
+            return Residency.RESIDENT
+        return Residency.OFFLOADED if away else Residency.RESIDENT

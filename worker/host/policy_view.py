@@ -24,11 +24,10 @@ from typing import Any, Callable
 from redis.exceptions import RedisError
 
 from nightjar.keys import Keys
-from nightjar.messages import MessageError, Policy
+from nightjar.messages import MessageError, Policy, Residency
 
 log = logging.getLogger("worker.policy")
-RESIDENT = "resident"
-RESIDENCIES = (RESIDENT, "offloaded")  # the directives worker.engine.memory carries out
+RESIDENCIES = (Residency.RESIDENT.value, Residency.OFFLOADED.value)  # the directives worker.engine.memory carries out
 FUTURE_SKEW_S = 1.0  # a stamp further ahead than this is a wrong clock, not NTP jitter
 LEFT_EPOCHS_KEPT = 16  # epochs remembered as left (a late message from one is ignored)
 
@@ -97,14 +96,14 @@ class PolicyView:
         """Directive for this worker: "resident" unless a fresh policy says "offloaded"."""
         p = self._policy
         if p is None or not self.fresh(now_s):
-            return RESIDENT  # a stale planner must not keep the draft away
-        wanted = p.residency.get(self.worker_id, RESIDENT)
+            return Residency.RESIDENT  # a stale planner must not keep the draft away
+        wanted = p.residency.get(self.worker_id, Residency.RESIDENT)
         if wanted not in RESIDENCIES:
             if self._bogus_logged != (p.epoch, p.version):  # once per policy, not every poll
                 self._bogus_logged = (p.epoch, p.version)
                 log.warning("policy v%d: ignoring residency %r for %s (not one of %s)", p.version, wanted,
                             self.worker_id, RESIDENCIES)
-            return RESIDENT
+            return Residency.RESIDENT
         return wanted
 
 

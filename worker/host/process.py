@@ -9,8 +9,8 @@ into a process of its own for the same reason. On a CPU the matrix work releases
 a thread is enough.
 
 The child runs the same loop as EngineThread (worker/host/thread.py) and talks to the
-service over its stdin and stdout: length-prefixed msgpack frames, one per command and one
-per step, never pickle. The parent side has EngineThread's interface (start, submit, stop,
+service over its stdin and stdout: length-prefixed frames of the records in
+worker/host/protocol.py (one msgspec codec), never pickle. The parent side has EngineThread's interface (start, submit, stop,
 ready, error, snapshot, and ``deliver`` called with each StepResult), so the service does not
 care which one it runs. The child exits when its stdin closes, so a worker killed with
 SIGKILL does not leave an engine holding the GPU.
@@ -27,12 +27,11 @@ import sys
 import threading
 from typing import IO, Any, Callable
 
-import msgpack
-
-from nightjar.messages import Policy, SamplingParams, StepStats
+from nightjar.messages import Message, decode_any
 from worker.engine.config import EngineConfig
-from worker.engine.engine import Engine, RequestOutput
-from worker.host.thread import Abort, Add, EngineThread, FollowPolicy, SetResidency, Snapshot, StepResult, UpdatePolicy
+from worker.engine.engine import Engine
+from worker.host.protocol import Command, Snapshot, StepResult
+from worker.host.thread import EngineThread
 
 log = logging.getLogger("worker")
 
@@ -40,16 +39,37 @@ FRAME_MAX_BYTES = 64 << 20  # a 100k-token prompt is ~0.5 MB; a step's outputs a
 _HEADER = struct.Struct(">I")
 
 
-def write_frame(f: IO[bytes], obj: Any) -> None:
-    data = msgpack.packb(obj, use_bin_type=True)
+class Start(Message, tag=True):
+    """The first frame to the child: the engine's config (EngineConfig's fields) and log level."""
+
+    config: dict[str, Any]
+    log_level: str = "INFO"
+
+
+class Ready(Message, tag=True):
+    snapshot: Snapshot
+
+
+class Failed(Message, tag=True):
+    error: str
+
+
+ToChild = Start | Command
+FromChild = Ready | Failed | StepResult
+
+
+def write_frame(f: IO[bytes], record: Message) -> None:
+    if not isinstance(record, Message):
+        raise TypeError(f"{type(record).__name__} cannot cross to the engine process (a callable? send a record)")
+    data = record.encode()
     if len(data) > FRAME_MAX_BYTES:
         raise ValueError(f"engine frame of {len(data)} bytes exceeds {FRAME_MAX_BYTES}")
     f.write(_HEADER.pack(len(data)) + data)
     f.flush()
 
 
-def read_frame(f: IO[bytes]) -> Any | None:
-    """The next frame, or None at end of stream."""
+def read_frame(f: IO[bytes], tp: Any) -> Any | None:
+    """The next frame as a record of type ``tp`` (a union of tagged records), or None at end of stream."""
     head = f.read(_HEADER.size)
     if len(head) < _HEADER.size:
         return None
@@ -59,61 +79,7 @@ def read_frame(f: IO[bytes]) -> Any | None:
     data = f.read(n)
     if len(data) < n:
         return None
-    return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=FRAME_MAX_BYTES,
-                           max_str_len=FRAME_MAX_BYTES, max_ext_len=0)
-
-
-# ---------------------------------------------------------------------------- the wire forms
-
-
-def encode_command(cmd) -> list:
-    if isinstance(cmd, Add):
-        return ["add", cmd.request_id, list(cmd.prompt_token_ids), cmd.params.encode()]
-    if isinstance(cmd, Abort):
-        return ["abort", cmd.request_id]
-    if isinstance(cmd, SetResidency):
-        return ["residency", cmd.residency]
-    if isinstance(cmd, UpdatePolicy):
-        return ["policy", cmd.policy.encode()]
-    if isinstance(cmd, FollowPolicy):
-        return ["follow", cmd.worker_id, cmd.default_gamma, cmd.ttl_s]
-    raise TypeError(f"{type(cmd).__name__} cannot cross to the engine process (a callable? send data)")
-
-
-def decode_command(frame: list):
-    kind = frame[0]
-    if kind == "add":
-        return Add(frame[1], frame[2], SamplingParams.decode(frame[3]))
-    if kind == "abort":
-        return Abort(frame[1])
-    if kind == "residency":
-        return SetResidency(frame[1])
-    if kind == "policy":
-        return UpdatePolicy(Policy.decode(frame[1]))
-    if kind == "follow":
-        return FollowPolicy(frame[1], frame[2], frame[3])
-    raise ValueError(f"unknown engine command {kind!r}")
-
-
-def _snapshot_wire(s: Snapshot) -> dict:
-    return dataclasses.asdict(s)
-
-
-def _snapshot(w: dict) -> Snapshot:
-    return Snapshot(**{**w, "memory_bytes": tuple((str(k), int(v)) for k, v in w["memory_bytes"])})
-
-
-def encode_result(r: StepResult) -> list:
-    outs = [[o.request_id, o.index, list(o.new_token_ids), o.finished, o.finish_reason, o.prompt_tokens,
-             o.completion_tokens] for o in r.outputs]
-    return ["step", outs, r.stats.encode() if r.stats is not None else None, [list(x) for x in r.rejected],
-            _snapshot_wire(r.snapshot)]
-
-
-def decode_result(frame: list) -> StepResult:
-    _, outs, stats, rejected, snap = frame
-    return StepResult(outputs=[RequestOutput(*o) for o in outs], stats=StepStats.decode(stats) if stats else None,
-                      rejected=[(a, b) for a, b in rejected], snapshot=_snapshot(snap))
+    return decode_any(tp, data, FRAME_MAX_BYTES)
 
 
 # ---------------------------------------------------------------------------- parent side
@@ -123,7 +89,7 @@ class EngineProcess:
     """Starts ``python -m worker.host.process`` with ``engine_config`` and relays its frames."""
 
     def __init__(self, engine_config: EngineConfig, deliver: Callable[[StepResult], None], log_level: str = "INFO") -> None:
-        self._start_frame = ["start", dataclasses.asdict(engine_config), log_level]
+        self._start_frame = Start(dataclasses.asdict(engine_config), log_level)
         self._deliver = deliver
         self._proc: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
@@ -145,11 +111,10 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, name="engine-proc-reader", daemon=True)
         self._reader.start()
 
-    def submit(self, command) -> None:
-        frame = encode_command(command)
+    def submit(self, command: Command) -> None:
         with self._write_lock:
             try:
-                write_frame(self._proc.stdin, frame)
+                write_frame(self._proc.stdin, command)
             except (BrokenPipeError, ValueError, OSError) as exc:  # the child is gone: _read reports it
                 log.debug("engine process: command not sent (%s)", exc)
 
@@ -174,15 +139,14 @@ class EngineProcess:
     def _read(self) -> None:
         out = self._proc.stdout
         try:
-            while (frame := read_frame(out)) is not None:
-                kind = frame[0]
-                if kind == "step":
-                    self._deliver(decode_result(frame))
-                elif kind == "ready":
-                    self.snapshot = _snapshot(frame[1])
+            while (frame := read_frame(out, FromChild)) is not None:
+                if isinstance(frame, StepResult):
+                    self._deliver(frame)
+                elif isinstance(frame, Ready):
+                    self.snapshot = frame.snapshot
                     self.ready.set()
-                elif kind == "error":
-                    self.error = RuntimeError(frame[1])
+                elif isinstance(frame, Failed):
+                    self.error = RuntimeError(frame.error)
                     self.ready.set()
                     self._deliver(StepResult(snapshot=Snapshot()))  # wake the service so it notices
                     return
@@ -201,14 +165,13 @@ class EngineProcess:
 def child_main() -> int:
     rfile, wfile = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # a stray print must not tear a frame
-    start = read_frame(rfile)
-    if not start or start[0] != "start":
+    start = read_frame(rfile, ToChild)
+    if not isinstance(start, Start):
         return 2
-    _, cfg, level = start
-    logging.basicConfig(level=level, format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s")
+    logging.basicConfig(level=start.log_level, format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s")
     lock = threading.Lock()
 
-    def send(frame: list) -> None:
+    def send(frame: Message) -> None:
         with lock:
             try:
                 write_frame(wfile, frame)
@@ -217,20 +180,20 @@ def child_main() -> int:
 
     def deliver(result: StepResult) -> None:
         if engine.error is not None:
-            send(["error", f"{type(engine.error).__name__}: {engine.error}"])
+            send(Failed(f"{type(engine.error).__name__}: {engine.error}"))
         else:
-            send(encode_result(result))
+            send(result)
 
-    engine = EngineThread(lambda: Engine(EngineConfig(**cfg)), deliver)
+    engine = EngineThread(lambda: Engine(EngineConfig(**start.config)), deliver)
     engine.start()
     engine.ready.wait()
     if engine.error is not None:
-        send(["error", f"{type(engine.error).__name__}: {engine.error}"])
+        send(Failed(f"{type(engine.error).__name__}: {engine.error}"))
         return 1
-    send(["ready", _snapshot_wire(engine.snapshot)])
+    send(Ready(engine.snapshot))
     try:
-        while (frame := read_frame(rfile)) is not None:
-            engine.submit(decode_command(frame))
+        while (frame := read_frame(rfile, Command)) is not None:
+            engine.submit(frame)
     except Exception as exc:
         log.error("engine process: bad command frame (%s); stopping", exc)
     engine.stop()

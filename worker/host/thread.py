@@ -13,66 +13,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from nightjar.messages import SamplingParams, StepStats
 from worker.host.policy_view import PolicyView
+from worker.host.protocol import Abort, Add, Command, FollowPolicy, SetResidency, Snapshot, StepResult, UpdatePolicy
 
 log = logging.getLogger("worker")
-
-
-@dataclass(frozen=True)
-class Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass(frozen=True)
-class Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class FollowPolicy:
-    """γ from the planner's policy from now on: the engine thread keeps its own PolicyView
-    (plain data, so the command can cross to an engine process too)."""
-
-    worker_id: str
-    default_gamma: int
-    ttl_s: float | None
-
-
-@dataclass(frozen=True)
-class UpdatePolicy:
-    policy: Any  # nightjar.messages.Policy: adopted by the engine's view if newer than the one it holds
-
-
-@dataclass(frozen=True)
-class SetResidency:
-    residency: str  # "resident" | "offloaded": a directive the engine's memory manager carries out
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_free: int = 0
-    kv_blocks_total: int = 0
-    gamma: int = 0
-    draft_residency: str = "none"
-    max_context_tokens: int = 0
-    memory_bytes: tuple[tuple[str, int], ...] = ()  # (part, device bytes) from worker/engine/memory.py
-    steps: int = 0  # engine steps taken: the heartbeat's proof of progress (a hung engine stops it)
-
-
-@dataclass(frozen=True)
-class StepResult:
-    outputs: list[Any] = field(default_factory=list)  # worker.engine.engine.RequestOutput
-    stats: StepStats | None = None
-    rejected: list[tuple[str, str]] = field(default_factory=list)  # (request_id, why add_request refused it)
-    snapshot: Snapshot = Snapshot()
 
 
 class EngineThread:
@@ -94,7 +40,7 @@ class EngineThread:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, command: Add | Abort | FollowPolicy | UpdatePolicy | SetResidency) -> None:
+    def submit(self, command: Command) -> None:
         self._commands.put(command)
 
     def stop(self, timeout_s: float = 10.0) -> None:

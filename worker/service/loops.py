@@ -19,7 +19,6 @@ CUDA a child process: worker/host/process.py).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import zlib
@@ -34,9 +33,10 @@ from nightjar.keys import Keys
 from nightjar.messages import Cancel, DeadLetter, Heartbeat, Job, MessageError, OutputChunk
 from nightjar.service_util import REDIS_RETRY_FIRST_S, now_ms, wait_for_redis
 from worker.host.process import EngineProcess
-from worker.host.thread import Abort, Add, EngineThread, FollowPolicy, SetResidency, Snapshot, StepResult, UpdatePolicy
-from worker.service.redis_ops import RELEASE_ASSIGNMENT, Ops, delivered_prefix
+from worker.host.protocol import Abort, Add, EngineHost, FollowPolicy, SetResidency, Snapshot, StepResult, UpdatePolicy
+from worker.host.thread import EngineThread
 from worker.service.config import WorkerServiceConfig
+from worker.service.redis_ops import RELEASE_ASSIGNMENT, Ops, delivered_prefix
 
 log = logging.getLogger("worker")
 DEAD_LETTER_PAYLOAD_BYTES = 64 * 1024  # as the scheduler's dead letters
@@ -59,7 +59,7 @@ class WorkerService:
         self._injected = engine_factory  # tests hand in their own engines: those run in a thread
         self._factory = engine_factory or self._default_engine
         self._results: asyncio.Queue[StepResult] = asyncio.Queue()
-        self.engine: EngineThread | EngineProcess | None = None
+        self.engine: EngineHost | None = None
         self.active: dict[str, Active] = {}  # owned by the event loop
         self.snapshot = Snapshot()
         self.started_ms = now_ms()
@@ -281,7 +281,7 @@ class WorkerService:
                         job.request_id, len(prefix), finish_reason="length", prompt_tokens=len(job.prompt_token_ids),
                         completion_tokens=len(prefix), worker_id=self.cfg.worker_id))
                     continue
-                params = dataclasses.replace(params, max_tokens=params.max_tokens - len(prefix))
+                params = params.replace(max_tokens=params.max_tokens - len(prefix))
             self.active[job.request_id] = Active(entry_id, job, offset=len(prefix))
             self.engine.submit(Add(job.request_id, [*job.prompt_token_ids, *prefix], params))
             started.append(job.request_id)
@@ -411,7 +411,7 @@ class WorkerService:
                 self._finish(pipe, request_id, act.entry_id, OutputChunk(request_id, act.offset, finish_reason="rejected", error=why,
                                                                          worker_id=wid))
         if result.stats is not None:
-            stats = dataclasses.replace(result.stats, worker_id=wid)
+            stats = result.stats.replace(worker_id=wid)
             pipe.xadd(self.keys.stats, {b"s": stats.encode()}, maxlen=self.cfg.stats_maxlen, approximate=True)
 
     # ------------------------------------------------------------------ cancels

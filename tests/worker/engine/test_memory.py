@@ -267,7 +267,8 @@ def test_engine_thread_applies_the_residency_directive_and_reports_memory(tight)
     import threading
     import time
 
-    from worker.host.thread import EngineThread, SetResidency
+    from worker.host.protocol import SetResidency
+    from worker.host.thread import EngineThread
 
     got, seen = [], threading.Event()
 

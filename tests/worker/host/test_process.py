@@ -1,4 +1,4 @@
-"""EngineProcess: the engine loop in a child process, driven over msgpack frames (real models)."""
+"""EngineProcess: the engine loop in a child process, driven over frames of protocol records (real models)."""
 
 from __future__ import annotations
 
@@ -11,21 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from nightjar.messages import Policy, SamplingParams, StepStats
+from nightjar.messages import MessageError, Policy, SamplingParams, StepStats
 from tests.conftest import engine, pair, prompt_ids, run_all
 from worker.engine.config import EngineConfig
 from worker.engine.engine import EngineRequest, RequestOutput
 from worker.host.process import (
     FRAME_MAX_BYTES,
     EngineProcess,
-    decode_command,
-    decode_result,
-    encode_command,
-    encode_result,
+    Failed,
+    FromChild,
+    Ready,
+    Start,
+    ToChild,
     read_frame,
     write_frame,
 )
-from worker.host.thread import Abort, Add, FollowPolicy, SetResidency, Snapshot, StepResult, UpdatePolicy
+from worker.host.protocol import Abort, Add, Command, FollowPolicy, SetResidency, Snapshot, StepResult, UpdatePolicy
 
 
 def _policy(version: int, gamma: int) -> Policy:
@@ -33,33 +34,44 @@ def _policy(version: int, gamma: int) -> Policy:
                   gamma_by_bucket=(gamma,))
 
 
+def _round_trip(record, tp):
+    buf = io.BytesIO()
+    write_frame(buf, record)
+    buf.seek(0)
+    return read_frame(buf, tp)
+
+
 def test_commands_and_results_cross_as_plain_data():
     params = SamplingParams(max_tokens=7, temperature=0.5, seed=3)
     for cmd in (Add("r1", [5, 6, 7], params), Abort("r1"), SetResidency("offloaded"), FollowPolicy("w1", 2, 10.0),
-                UpdatePolicy(_policy(4, 3))):
-        assert decode_command(encode_command(cmd)) == cmd
-    with pytest.raises(TypeError, match="cannot cross"):
-        encode_command(object())
+                UpdatePolicy(_policy(4, 3)), Start({"target_path": "x", "max_num_seqs": 4}, "DEBUG")):
+        assert _round_trip(cmd, ToChild) == cmd
+    with pytest.raises(TypeError):
+        write_frame(io.BytesIO(), object())
     result = StepResult(
         outputs=[RequestOutput("r1", 3, [11, 12], False, None, 4, 5), RequestOutput("r2", 0, [], True, "stop", 2, 1)],
         stats=StepStats(worker_id="", step=1, unix_ms=2, batch_size=2, gamma=3, draft_ms=1.0, verify_ms=2.0, step_ms=3.5),
         rejected=[("r3", "prompt too long")],
         snapshot=Snapshot(running=2, kv_blocks_free=9, kv_blocks_total=10, gamma=3, draft_residency="resident",
                           memory_bytes=(("target_kv", 100), ("draft_weights", 50))))
-    assert decode_result(encode_result(result)) == result
+    for frame in (result, Ready(result.snapshot), Failed("boom")):
+        assert _round_trip(frame, FromChild) == frame
 
 
 def test_frames_round_trip_and_refuse_oversize_or_torn_input():
     buf = io.BytesIO()
-    write_frame(buf, ["step", [1, 2]])
-    write_frame(buf, ["abort", "x"])
+    write_frame(buf, Abort("x"))
+    write_frame(buf, SetResidency("resident"))
     buf.seek(0)
-    assert read_frame(buf) == ["step", [1, 2]] and read_frame(buf) == ["abort", "x"] and read_frame(buf) is None
+    assert read_frame(buf, Command) == Abort("x") and read_frame(buf, Command) == SetResidency("resident")
+    assert read_frame(buf, Command) is None
     torn = io.BytesIO(buf.getvalue()[:-2])
-    read_frame(torn)
-    assert read_frame(torn) is None  # a frame cut short reads as the end, not as garbage
+    read_frame(torn, Command)
+    assert read_frame(torn, Command) is None  # a frame cut short reads as the end, not as garbage
     with pytest.raises(ValueError, match="exceeds"):
-        read_frame(io.BytesIO((FRAME_MAX_BYTES + 1).to_bytes(4, "big")))
+        read_frame(io.BytesIO((FRAME_MAX_BYTES + 1).to_bytes(4, "big")), Command)
+    with pytest.raises(MessageError):  # a record of the wrong kind is refused, not delivered
+        _round_trip(Abort("x"), FromChild)
 
 
 def _collect(results: queue.Queue, done_ids: set[str], timeout_s: float = 60.0) -> tuple[dict[str, list[int]], list]:
