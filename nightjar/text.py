@@ -1,18 +1,16 @@
-"""Text: the tokenizer wrapper (FastTokenizer) and the incremental detokenizer.
+"""Text: the tokenizer wrapper and the incremental detokenizer, shared by gateway and engine.
 
-FastTokenizer: a transformers tokenizer's encode and decode without the Python wrappers.
-
-``tokenizer.encode``/``decode`` in transformers 5 spend most of their time in argument
-handling around the Rust ``tokenizers`` backend: a decode of six ids took 8.7 µs through the
-wrapper and 3.5 µs direct on the development machine. The gateway encodes every prompt and decodes twice per streamed
-chunk (IncrementalDetokenizer below), so it calls the backend directly, but only after checking on
-probes, once, that the results are identical; otherwise it keeps the wrapper.
+FastTokenizer calls the Rust ``tokenizers`` backend directly, skipping transformers' Python
+wrappers (most of an encode's or decode's time: BENCHMARKS.md, "Gateway"), but only after
+checking on probes, once, that the results are identical; otherwise it keeps the wrapper.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+from tokenizers.decoders import DecodeStream
 
 REPLACEMENT = "\ufffd"
 PROBE = "def f(x):\n    return x  # héllo, 世界 \u2014 ok\n\tüñï 🙂"
@@ -38,6 +36,11 @@ class FastTokenizer:
                    for p in probes for skip in (True, False))
 
     @property
+    def backend(self) -> Any | None:
+        """The tokenizers.Tokenizer, when it is called directly (else None)."""
+        return self._backend
+
+    @property
     def direct(self) -> bool:
         """True when the backend is called directly."""
         return self._backend is not None
@@ -55,9 +58,19 @@ class FastTokenizer:
 
 
 class IncrementalDetokenizer:
+    """Token ids in, text deltas out, never splitting a UTF-8 character.
+
+    With a FastTokenizer that calls its backend directly, tokenizers' own DecodeStream does the
+    work (in Rust, one call per chunk, as vLLM v1 does). Otherwise the prefix-window method:
+    decode a short window of emitted tokens plus the new ones, emit only the text past the
+    window's old text, and hold a delta that ends in U+FFFD. ``flush`` releases what is held.
+    """
+
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        self._backend = tokenizer.backend if isinstance(tokenizer, FastTokenizer) else None
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if self._backend is not None else None
         self._ids: list[int] = []
         self._prefix = 0  # start of the decode window
         self._read = 0  # tokens whose text has been emitted
@@ -69,20 +82,29 @@ class IncrementalDetokenizer:
     def push(self, token_ids: Sequence[int]) -> str:
         """Add tokens; return the newly complete text (may be "")."""
         self._ids.extend(token_ids)
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        new_text = self._decode(self._ids[self._prefix :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
+        if self._stream is not None:
+            delta = self._stream.step(self._backend, list(token_ids)) or ""
+            if delta:
+                self._read = len(self._ids)
+        else:
+            prefix_text = self._decode(self._ids[self._prefix : self._read])
+            new_text = self._decode(self._ids[self._prefix :])
+            if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT):
+                return ""
             delta = new_text[len(prefix_text) :]
             self._prefix, self._read = self._read, len(self._ids)
-            self.text += delta
-            return delta
-        return ""
+        self.text += delta
+        return delta
 
     def flush(self) -> str:
         """Release held-back text (a genuinely invalid byte sequence decodes as U+FFFD)."""
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        new_text = self._decode(self._ids[self._prefix :])
-        delta = new_text[len(prefix_text) :]
+        if self._read == len(self._ids):
+            return ""
+        if self._stream is not None:  # rare: the stream still holds an unfinished character
+            full = self._decode(self._ids)
+            delta = full[len(self.text) :] if full.startswith(self.text) else ""
+        else:
+            delta = self._decode(self._ids[self._prefix :])[len(self._decode(self._ids[self._prefix : self._read])) :]
         self._prefix = self._read = len(self._ids)
         self.text += delta
         return delta
