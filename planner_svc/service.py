@@ -22,10 +22,11 @@ import secrets
 import time
 from typing import Any
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from nightjar.keys import Keys
 from nightjar.messages import MessageError, PlannerState, Policy, StepStats
+from nightjar.streams import ensure_group
 from planner_svc.config import PlannerConfig
 from planner_svc.policies import GammaPolicy, make_policy
 
@@ -69,11 +70,7 @@ class PlannerService:
         self._pending_first = True  # after a restart, re-read what we took but never acknowledged
 
     async def start(self) -> None:
-        try:
-            await self.redis.xgroup_create(self.keys.stats, self.keys.planner_group, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        await ensure_group(self.redis, self.keys.stats, self.keys.planner_group)
         await self._load_state()
 
     async def _load_state(self) -> None:
@@ -182,7 +179,7 @@ class PlannerService:
                 if "NOGROUP" in str(exc):  # Redis came back empty: recreate the stats group
                     self._pending_first = True
                     try:
-                        await self.redis.xgroup_create(self.keys.stats, self.keys.planner_group, id="0", mkstream=True)
+                        await ensure_group(self.redis, self.keys.stats, self.keys.planner_group)
                     except (RedisError, OSError):
                         pass
                 await asyncio.sleep(0.5)

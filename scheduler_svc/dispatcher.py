@@ -26,19 +26,19 @@ import logging
 import time
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from nightjar.deadline import RedisClock, forwarded, remaining_ms
 from nightjar.dispatch_lease import lease_entry
 from nightjar.keys import Keys
-from nightjar.messages import DeadLetter, Heartbeat, Job, MessageError, OutputChunk
+from nightjar.messages import Heartbeat, Job, MessageError, OutputChunk
 from nightjar.service_util import now_ms
+from nightjar.streams import dead_letter, ensure_group
 from scheduler_svc.capacity import CapacityView, ProgressView
 from scheduler_svc.config import SchedulerConfig
 
 log = logging.getLogger("scheduler")
 
-DEAD_LETTER_PAYLOAD_BYTES = 64 * 1024
 CLOCK_SYNC_S = 10.0  # re-measure Redis' clock this often (hosts drift slowly)
 
 
@@ -74,11 +74,7 @@ class Dispatcher:
                 pass
 
     async def ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(self.keys.requests, self.keys.scheduler_group, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        await ensure_group(self.redis, self.keys.requests, self.keys.scheduler_group)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -181,9 +177,7 @@ class Dispatcher:
         pipe.xdel(self.keys.requests, entry_id)
 
     def _dead_letter(self, pipe, entry_id: bytes, reason: str, n: int, raw: bytes, now: int) -> None:
-        dl = DeadLetter(entry_id=entry_id.decode(), reason=reason, deliveries=n,
-                        payload=bytes(raw[:DEAD_LETTER_PAYLOAD_BYTES]), unix_ms=now)
-        pipe.xadd(self.keys.dead_letters, {b"dl": dl.encode()}, maxlen=self.cfg.dead_letter_maxlen, approximate=True)
+        dead_letter(pipe, self.keys, entry_id.decode(), reason, raw, now, n, self.cfg.dead_letter_maxlen)
         self._ack(pipe, entry_id)
         # A decodable poison job still owes its client an answer.
         try:
@@ -296,10 +290,9 @@ class Dispatcher:
                 job = Job.decode(record.get(b"job", b""))
             except MessageError as exc:  # nothing to re-run: keep it where `nightjar queue dlq` shows it
                 log.error("dead-lettering the assignment of %s (worker %s): %s", rid, dead_worker, exc)
-                dl = DeadLetter(entry_id=f"assign:{rid}", reason=f"assignment record of dead worker {dead_worker}: {exc}",
-                                deliveries=1, payload=bytes(record.get(b"job", b"")[:DEAD_LETTER_PAYLOAD_BYTES]), unix_ms=now_ms())
                 async with self.redis.pipeline(transaction=True) as pipe:
-                    pipe.xadd(k.dead_letters, {b"dl": dl.encode()}, maxlen=self.cfg.dead_letter_maxlen, approximate=True)
+                    dl = dead_letter(pipe, k, f"assign:{rid}", f"assignment record of dead worker {dead_worker}: {exc}",
+                                     record.get(b"job", b""), now_ms(), maxlen=self.cfg.dead_letter_maxlen)
                     self._finish_with_error(pipe, Job(rid, (), {}), "error", f"request dead-lettered: {dl.reason}")
                     pipe.delete(k.assignment(rid))
                     pipe.srem(k.worker_assignments(dead_worker), rid)

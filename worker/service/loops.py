@@ -30,8 +30,9 @@ from redis.exceptions import RedisError, ResponseError
 from nightjar import metrics as m
 from nightjar.deadline import RedisClock, forwarded, remaining_ms
 from nightjar.keys import Keys
-from nightjar.messages import Cancel, DeadLetter, Heartbeat, Job, MessageError, OutputChunk
+from nightjar.messages import Cancel, Heartbeat, Job, MessageError, OutputChunk
 from nightjar.service_util import REDIS_RETRY_FIRST_S, now_ms, wait_for_redis
+from nightjar.streams import dead_letter, ensure_group
 from worker.host.process import EngineProcess
 from worker.host.protocol import Abort, Add, EngineHost, FollowPolicy, SetResidency, Snapshot, StepResult, UpdatePolicy
 from worker.host.thread import EngineThread
@@ -39,7 +40,6 @@ from worker.service.config import WorkerServiceConfig
 from worker.service.redis_ops import RELEASE_ASSIGNMENT, Ops, delivered_prefix
 
 log = logging.getLogger("worker")
-DEAD_LETTER_PAYLOAD_BYTES = 64 * 1024  # as the scheduler's dead letters
 CLOCK_SYNC_S = 10.0  # re-measure Redis' clock this often (hosts drift slowly)
 
 
@@ -198,11 +198,7 @@ class WorkerService:
         return False
 
     async def _ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(self.keys.inbox(self.cfg.worker_id), self.keys.worker_group, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        await ensure_group(self.redis, self.keys.inbox(self.cfg.worker_id), self.keys.worker_group)
 
     # ------------------------------------------------------------------ inbox
 
@@ -311,9 +307,7 @@ class WorkerService:
 
     def _dead_letter(self, pipe, entry_id: bytes, raw: bytes, reason: str) -> None:
         """Keep a malformed entry (truncated) where `nightjar queue dlq` shows it, then drop it."""
-        dl = DeadLetter(entry_id=entry_id.decode(), reason=f"worker {self.cfg.worker_id} inbox: {reason}", deliveries=1,
-                        payload=bytes(raw[:DEAD_LETTER_PAYLOAD_BYTES]), unix_ms=now_ms())
-        pipe.xadd(self.keys.dead_letters, {b"dl": dl.encode()}, maxlen=10_000, approximate=True)
+        dead_letter(pipe, self.keys, entry_id.decode(), f"worker {self.cfg.worker_id} inbox: {reason}", raw, now_ms())
         self._ack(pipe, entry_id)
 
     def _ack(self, pipe: Ops, entry_id: bytes) -> None:
