@@ -41,7 +41,7 @@ from nightjar.messages import SamplingParams  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine.draft_mover import plain_copy_seconds  # noqa: E402
 from worker.engine.engine import Engine, EngineRequest  # noqa: E402
-from worker.engine.pressure import PressureRule  # noqa: E402
+from pressure_rule import PressureRule  # noqa: E402
 
 BIG_GAMMA_BATCH = 2  # elastic engine: γ = 3 up to this batch size, then 0 (the CPU crossover is low)
 
@@ -74,9 +74,9 @@ def bench_transfer(eng: Engine, cycles: int) -> dict:
         for d in ("offload", "reload"):
             t0 = time.perf_counter()
             if d == "offload":
-                eng.offload_draft()
+                eng.memory.offload()
             else:
-                assert eng.reload_draft() is None
+                assert eng.memory.reload() is None
             mem.wait()
             pause[d].append(time.perf_counter() - t0)
             resize[d].append(mem.last_resize_ms)
@@ -102,10 +102,10 @@ def bench_capacity(eng: Engine, seq_tokens: int) -> dict:
     per_seq = -(-seq_tokens // bs)
     resident = eng.kv_blocks_total
     draft_kv = mem.parts().draft_kv
-    eng.offload_draft()
+    eng.memory.offload()
     mem.wait()  # on CUDA the copy is asynchronous: the pool grows when it is done
     offloaded = eng.kv_blocks_total
-    eng.reload_draft()
+    eng.memory.reload()
     mem.wait()
     tokens_per_draft = mem.mover.nbytes / (mem.target_bpb / bs)  # draft bytes ÷ KV bytes per token
     return {
@@ -204,7 +204,7 @@ def run_side_by_side(drivers: list[Driver]) -> None:
 def reset(eng: Engine, elastic: bool) -> None:
     eng.memory.set_directive_source(None)
     eng.memory.wait()
-    assert eng.reload_draft() is None
+    assert eng.memory.reload() is None
     eng.memory.wait()
     assert eng.memory.state == "resident"
     if elastic:
@@ -239,13 +239,13 @@ def calibrate(resident: Engine, elastic: Engine, tok, cap: dict, prompt_tokens: 
     offloaded), measured alternately so machine noise falls on both."""
     reset(resident, elastic=False)
     reset(elastic, elastic=False)
-    elastic.offload_draft()
+    elastic.memory.offload()
     elastic.memory.wait()
     r, e = [], []
     for _ in range(2):
         r.append(decode_rate(resident, tok, cap["max_seqs_resident"], prompt_tokens))
         e.append(decode_rate(elastic, tok, cap["max_seqs_offloaded"], prompt_tokens))
-    elastic.reload_draft()
+    elastic.memory.reload()
     return statistics.median(r), statistics.median(e)
 
 

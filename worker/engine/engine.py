@@ -135,13 +135,6 @@ class Engine:
         """"resident" | "offloaded": the memory manager carries it out between steps (worker/engine/memory.py)."""
         self.memory.set_directive(directive)
 
-    def offload_draft(self) -> bool:
-        return self.memory.offload()
-
-    def reload_draft(self) -> str | None:
-        """None when the reload started (or was not needed); else why it was refused."""
-        return self.memory.reload()
-
     def drop_draft_kv(self) -> None:
         """Forget the draft's KV (for a memory manager about to free or reallocate its pool):
         every draft table goes back to the pool, and the next speculative step catches each

@@ -115,12 +115,10 @@ class EngineThread:
                 if self._view is not None:
                     self._view.update(cmd.policy)
             elif isinstance(cmd, SetResidency):
-                setter = getattr(engine, "set_draft_residency", None)
-                if setter is not None:
-                    try:
-                        setter(cmd.residency)
-                    except ValueError as exc:  # a directive it does not know must not kill the engine
-                        log.error("ignoring residency directive: %s", exc)
+                try:
+                    engine.set_draft_residency(cmd.residency)
+                except ValueError as exc:  # a directive it does not know must not kill the engine
+                    log.error("ignoring residency directive: %s", exc)
 
 
 def _snapshot(engine, gamma: int, steps: int = 0) -> Snapshot:
@@ -129,5 +127,5 @@ def _snapshot(engine, gamma: int, steps: int = 0) -> Snapshot:
         running=engine.num_running, waiting=engine.num_waiting, kv_blocks_free=engine.kv_blocks_free,
         kv_blocks_total=engine.kv_blocks_total, gamma=gamma, draft_residency=str(engine.draft_residency),
         max_context_tokens=int(engine.max_context_tokens),
-        memory_bytes=tuple(engine.memory.parts().as_dict().items()) if hasattr(engine, "memory") else (),
+        memory_bytes=tuple(engine.memory.parts().as_dict().items()),
     )

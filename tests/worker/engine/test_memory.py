@@ -46,7 +46,7 @@ def _idle_and_resident(request):
                 eng.abort(seq.request_id)
             while eng.has_unfinished():
                 eng.step()
-            assert eng.reload_draft() is None
+            assert eng.memory.reload() is None
             eng.memory.wait()
             assert eng.memory.state == "resident"
 
@@ -112,7 +112,7 @@ def test_offload_reload_cycles_mid_generation_keep_greedy_output(roomy):
     assert rep.offloads >= 3 and rep.reloads >= 2 and rep.refusals == 0
     assert gammas_after_reload and sum(catchups) > 0  # speculation resumed, with the draft KV rebuilt
     assert rep.state == "offloaded" and eng.kv_blocks_free == eng.kv_blocks_total > rep.base_blocks
-    assert eng.reload_draft() is None and eng.memory.state == "resident"
+    assert eng.memory.reload() is None and eng.memory.state == "resident"
     assert eng.kv_blocks_free == eng.kv_blocks_total == rep.base_blocks
 
 
@@ -143,7 +143,7 @@ def test_squeeze_migrates_live_blocks_and_keeps_outputs(tight):
 def test_unsafe_reload_is_refused_without_preempting(tight):
     eng = tight
     refusals0 = eng.memory.refusals
-    eng.offload_draft()
+    eng.memory.offload()
     assert eng.memory.state == "offloaded" and eng.kv_blocks_total > eng.memory.base_blocks
     prompts, reqs = _requests()
     for r in reqs:
@@ -162,7 +162,7 @@ def test_unsafe_reload_is_refused_without_preempting(tight):
     st = eng.last_stats  # what the planner sees: residency and the budget by part
     assert st.draft_residency == "offloaded" and st.memory_bytes == eng.memory.parts().as_dict()
     assert st.memory_bytes["draft_weights"] == 0 and StepStats.decode(st.encode()).memory_bytes == st.memory_bytes
-    why = eng.reload_draft()
+    why = eng.memory.reload()
     assert why is not None and "preempt" in why
     rep = eng.memory.report()
     assert rep.state == "offloaded" and rep.refusals == refusals0 + 1 and rep.target_blocks > rep.base_blocks
@@ -193,10 +193,10 @@ def test_fifty_cycles_leave_memory_and_blocks_where_they_started(tight):
         if not eng.has_unfinished():
             eng.add_request(EngineRequest(f"c{n}", list(prompts[n % 4]), SamplingParams(max_tokens=6)))
             n += 1
-        eng.offload_draft()
+        eng.memory.offload()
         eng.step()
         _check_accounting(eng)
-        assert eng.reload_draft() is None
+        assert eng.memory.reload() is None
         eng.step()
         _check_accounting(eng)
 
@@ -253,7 +253,7 @@ def test_memory_budget_sizes_the_pools_and_is_never_exceeded(tight):
     assert p.budget == budget and p.workspace == 4 << 20
     assert 0 <= p.free < eng.memory.target_bpb + eng.memory.draft_bpb  # the pools take what is left
     base = eng.kv_blocks_total
-    eng.offload_draft()
+    eng.memory.offload()
     q = eng.memory.parts()
     assert q.total <= budget and q.free < eng.memory.target_bpb
     gained = eng.kv_blocks_total - base

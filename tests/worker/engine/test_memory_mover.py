@@ -53,7 +53,7 @@ def _p(state, waiting, used, base=100):
 
 
 def test_pressure_rule_offloads_only_under_sustained_pressure_and_reloads_when_calm():
-    from worker.engine.pressure import PressureRule
+    from pressure_rule import PressureRule
 
     rule = PressureRule(offload_after=3, reload_after=4, reload_below=0.5)
     assert [rule(_p("resident", 2, 90)) for _ in range(3)] == ["resident", "resident", "offloaded"]

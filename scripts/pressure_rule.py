@@ -7,7 +7,8 @@
             and leaves room to grow).
 
 A pure object with one method, called by MemoryManager.poll every step
-(``engine.memory.set_directive_source(PressureRule())``).
+(``engine.memory.set_directive_source(PressureRule())``). Used by scripts/bench_memory.py and
+the memory tests; the serving stack takes its directives from the planner.
 """
 
 from __future__ import annotations
