@@ -46,9 +46,9 @@ class StackConfig:
     ready_timeout_s: float = 180.0
     # Niceness added to every service but the workers (and to the embedded Redis), so that on
     # one machine the kernel does not time-slice the engine thread with the I/O services. Off
-    # by default: its effect on the pipeline benchmark was within the noise (+8% in one A/B,
-    # -1% in a 10-round run), and with as many workers as cores a nicer gateway, which every
-    # token passes through, would be the one starved.
+    # by default: its effect on the pipeline benchmark was within the noise (BENCHMARKS.md,
+    # "Figures that were code comments"), and with as many workers as cores a nicer gateway,
+    # which every token passes through, would be the one starved.
     io_nice: int = 0
     # Prometheus /metrics: 0 = off; else the gateway serves it on this port and every other
     # service on its own port after it (metrics_port_of): one endpoint per process, as

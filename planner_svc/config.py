@@ -20,9 +20,8 @@ class PlannerConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "nj"
     policy: str = "nightjar"  # a make_policy spec: nightjar, off, fixed:3, table:1=4,16=0, ...
-    # Below the workers' ceiling (6) on purpose: γ = 5-6 gain up to 8% at batch 1-4 in the
-    # engine sweep, but with 7 arms nightjar explored its way to 8-10% worse latency on burst
-    # and ramp in the simulator and lost 3-10% throughput on a live load ramp (BENCHMARKS.md).
+    # Below the workers' ceiling (6) on purpose: the extra arms cost more exploration than the
+    # deep γ gains (BENCHMARKS.md, "Figures that were code comments").
     gamma_max: int = 4
     ttl_s: float = 10.0  # workers fall back to their default γ when the policy is older than this
     seed: int = 0

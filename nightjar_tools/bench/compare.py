@@ -74,8 +74,9 @@ class CompareConfig:
     target_model: Path = paths.DEFAULT_TARGET
     draft_model: Path = paths.DEFAULT_DRAFT
     workers: int = 1
-    # torch threads per worker. 1, not cores ÷ workers: on a shared 2-core machine two OpenMP
-    # threads that wait on each other's barrier made a step 13× slower (measured: 25 ms -> 340 ms).
+    # torch threads per worker. 1, not cores ÷ workers: on a shared 2-core machine OpenMP threads
+    # that wait on each other's barrier slow a step by an order of magnitude (BENCHMARKS.md,
+    # "Figures that were code comments").
     worker_threads: int = 1
     capacity_rps: float | None = None  # skip the capacity probe
     fixed_gamma: int | None = None  # skip the batch-1 γ probe

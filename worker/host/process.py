@@ -1,19 +1,10 @@
 """EngineProcess: the engine's step loop in a child process of its own.
 
-Why: on a GPU a small model's decode step is mostly Python launching kernels, so an engine
-thread holds the GIL for nearly the whole step, and the worker's asyncio side (inbox, output
-chunks, stats: ~2 ms of Python per step at 32 streams) only runs by stopping it. On an H200
-the stack's steps were 1.26-1.63x slower than the same engine's in-process with a thread, and
-as fast with this process (BENCHMARKS.md, Pipeline overhead). vLLM's V1 moved its EngineCore
-into a process of its own for the same reason. On a CPU the matrix work releases the GIL, and
-a thread is enough.
-
-The child runs the same loop as EngineThread (worker/host/thread.py) and talks to the
-service over its stdin and stdout: length-prefixed frames of the records in
-worker/host/protocol.py (one msgspec codec), never pickle. The parent side has EngineThread's interface (start, submit, stop,
-ready, error, snapshot, and ``deliver`` called with each StepResult), so the service does not
-care which one it runs. The child exits when its stdin closes, so a worker killed with
-SIGKILL does not leave an engine holding the GPU.
+On a GPU a small model's decode step is mostly Python launching kernels, so an engine thread
+holds the GIL for most of the step and the worker's asyncio side waits on it (BENCHMARKS.md,
+"Pipeline overhead"); vLLM V1 moved its EngineCore into a process for the same reason. The
+child runs EngineThread's loop and talks over stdin/stdout in length-prefixed frames of the
+records in worker/host/protocol.py, never pickle; it exits when its stdin closes.
 """
 
 from __future__ import annotations

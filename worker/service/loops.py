@@ -33,6 +33,7 @@ from nightjar.keys import Keys
 from nightjar.messages import Cancel, Heartbeat, Job, MessageError, OutputChunk
 from nightjar.service_util import REDIS_RETRY_FIRST_S, now_ms, wait_for_redis
 from nightjar.streams import dead_letter, ensure_group
+from worker.host.policy_view import PolicyView, follow_policy
 from worker.host.process import EngineProcess
 from worker.host.protocol import Abort, Add, EngineHost, FollowPolicy, SetResidency, Snapshot, StepResult, UpdatePolicy
 from worker.host.thread import EngineThread
@@ -479,11 +480,6 @@ class WorkerService:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
 
     async def _policy_loop(self, stop: asyncio.Event) -> None:
-        try:
-            from worker.host.policy_view import PolicyView, follow_policy
-        except ImportError:  # the planner's view is not installed: the engine keeps default γ
-            log.warning("worker.host.policy_view missing: running with default gamma %d", self.cfg.default_gamma)
-            return
         # The engine keeps a view of its own (it may live in another process); this one decides
         # residency and forwards each new policy.
         view = PolicyView(self.cfg.worker_id, self.cfg.default_gamma, self.cfg.policy_ttl_s)
