@@ -9,7 +9,7 @@ from pathlib import Path
 
 from gateway.config import GatewayConfig
 from nightjar import paths
-from nightjar.service_util import add_common_args, env_defaults, install_stop_handlers, run_async, setup_logging
+from nightjar.service_util import add_common_args, env_defaults, install_stop_handlers, service_main
 
 
 def parse_config(argv: list[str]) -> GatewayConfig:
@@ -72,9 +72,7 @@ async def serve(cfg: GatewayConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_config(list(sys.argv[1:] if argv is None else argv))
-    setup_logging(cfg.log_level, "gateway", cfg.log_format)
-    return run_async(lambda: serve(cfg))
+    return service_main("gateway", parse_config, serve, argv)
 
 
 if __name__ == "__main__":

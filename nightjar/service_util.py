@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -166,6 +167,14 @@ def run_async(main: Callable[[], "asyncio.Future | object"]) -> int:
         return int(uvloop.run(main()) or 0)
     except ImportError:  # pragma: no cover - uvloop is a dependency
         return int(asyncio.run(main()) or 0)
+
+
+def service_main(name: Callable[[Any], str] | str, parse_config: Callable[[list[str]], Any],
+                 serve: Callable[[Any], Any], argv: list[str] | None) -> int:
+    """A service's ``main``: its config from argv, logging named ``name`` (or ``name(cfg)``), then ``serve(cfg)``."""
+    cfg = parse_config(list(sys.argv[1:] if argv is None else argv))
+    setup_logging(cfg.log_level, name(cfg) if callable(name) else name, cfg.log_format)
+    return run_async(lambda: serve(cfg))
 
 
 def add_common_args(parser, env: EnvDefaults) -> None:

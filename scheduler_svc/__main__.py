@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nightjar.service_util import add_common_args, env_defaults, run_async, run_redis_loop, setup_logging
+from nightjar.service_util import add_common_args, env_defaults, run_redis_loop, service_main
 from scheduler_svc.config import SchedulerConfig
 
 
@@ -36,9 +36,7 @@ async def serve(cfg: SchedulerConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_config(list(sys.argv[1:] if argv is None else argv))
-    setup_logging(cfg.log_level, "scheduler", cfg.log_format)
-    return run_async(lambda: serve(cfg))
+    return service_main("scheduler", parse_config, serve, argv)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from nightjar import paths
-from nightjar.service_util import add_common_args, connect_redis, env_defaults, install_stop_handlers, run_async, setup_logging
+from nightjar.service_util import add_common_args, connect_redis, env_defaults, install_stop_handlers, service_main
 from worker.service.config import WorkerServiceConfig
 
 
@@ -68,9 +68,7 @@ async def serve(cfg: WorkerServiceConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_config(list(sys.argv[1:] if argv is None else argv))
-    setup_logging(cfg.log_level, f"worker[{cfg.worker_id}]", cfg.log_format)
-    return run_async(lambda: serve(cfg))
+    return service_main(lambda cfg: f"worker[{cfg.worker_id}]", parse_config, serve, argv)
 
 
 if __name__ == "__main__":
