@@ -5,10 +5,6 @@ registered streams in one blocking XREAD and hands each chunk to its request's q
 32 streams this is one Redis round trip per engine step instead of 32. A newly registered
 stream interrupts the blocking read (CLIENT UNBLOCK on the reader's own connection) so its
 first token is not held back by a read that did not know it.
-
-Handlers only wait on their queue, never on a redis-py call: a gRPC handler cancelled
-while inside a redis-py read can lose the cancellation and hang (seen with grpcio 1.85 +
-redis-py 8 on Python 3.11).
 """
 
 from __future__ import annotations
@@ -24,6 +20,11 @@ log = logging.getLogger("gateway")
 
 
 class OutputReader:
+    """Handlers only wait on their queue, never on a redis-py call: a gRPC handler cancelled
+    while inside a redis-py read can lose the cancellation and hang (seen with grpcio 1.85 +
+    redis-py 8 on Python 3.11).
+    """
+
     def __init__(self, url_client: aioredis.Redis, reader: aioredis.Redis, block_ms: int) -> None:
         self._control = url_client  # sends CLIENT UNBLOCK
         self._reader = reader  # single-connection client: its id is the one to unblock

@@ -1,14 +1,4 @@
 """A request's deadline on the wire: the budget left, counted on Redis' clock.
-
-The gateway used to write an absolute time on its own clock (``Job.deadline_unix_ms``), which
-every receiver compared with its own: a worker whose clock ran a second ahead ended requests a
-second early, one behind ran requests whose client had long gone. Now a job carries
-``deadline_budget_ms``, the milliseconds left when that copy of the job was added to a stream.
-The stream entry id is Redis' own millisecond clock at that moment, so a receiver knows how
-long the entry waited by reading Redis' clock (``RedisClock``: its offset from ours, measured
-with TIME now and then) and converts the rest to its own clock. Whoever writes the job on to
-another stream writes the budget left at that moment, so the time it spent in each queue
-counts. ``deadline_unix_ms`` from a gateway of the old version is still honoured.
 """
 
 from __future__ import annotations
@@ -18,7 +8,18 @@ from nightjar.service_util import now_ms
 
 
 class RedisClock:
-    """Redis' clock read from this process: ours plus the last measured offset."""
+    """Redis' clock read from this process: ours plus the last measured offset.
+
+    The gateway used to write an absolute time on its own clock (``Job.deadline_unix_ms``), which
+    every receiver compared with its own: a worker whose clock ran a second ahead ended requests a
+    second early, one behind ran requests whose client had long gone. Now a job carries
+    ``deadline_budget_ms``, the milliseconds left when that copy of the job was added to a stream.
+    The stream entry id is Redis' own millisecond clock at that moment, so a receiver knows how
+    long the entry waited by reading Redis' clock (``RedisClock``: its offset from ours, measured
+    with TIME now and then) and converts the rest to its own clock. Whoever writes the job on to
+    another stream writes the budget left at that moment, so the time it spent in each queue
+    counts. ``deadline_unix_ms`` from a gateway of the old version is still honoured.
+    """
 
     def __init__(self) -> None:
         self.offset_ms = 0

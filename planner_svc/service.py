@@ -3,15 +3,6 @@
     read a batch of stats (XREADGROUP, own pending entries first after a restart)
     → policy.update(each) → XACK → publish if the table/residency changed or ttl/3 passed
     → save state (nightjar.messages.PlannerState) to keys.planner_state now and then
-
-A bad entry is logged and acknowledged, never retried forever. The version only grows within
-an epoch (nightjar.messages.Policy): a restarted planner resumes its saved epoch and starts
-above both its saved version and the one currently published; one that starts from a fresh
-state draws a new epoch, which workers adopt whatever its version. A version that reaches
-``VERSION_LIMIT`` starts a new epoch at 1 instead of overflowing msgpack's 64-bit integers
-(which failed every publish: the planner exited, restarted above the same version, and
-failed again). It never sits on a worker's hot path: workers look γ up in the table they
-already hold.
 """
 
 from __future__ import annotations
@@ -50,6 +41,16 @@ def encode_state(cfg: PlannerConfig, version: int, policy: GammaPolicy, epoch: s
 
 
 class PlannerService:
+    """A bad entry is logged and acknowledged, never retried forever. The version only grows within
+    an epoch (nightjar.messages.Policy): a restarted planner resumes its saved epoch and starts
+    above both its saved version and the one currently published; one that starts from a fresh
+    state draws a new epoch, which workers adopt whatever its version. A version that reaches
+    ``VERSION_LIMIT`` starts a new epoch at 1 instead of overflowing msgpack's 64-bit integers
+    (which failed every publish: the planner exited, restarted above the same version, and
+    failed again). It never sits on a worker's hot path: workers look γ up in the table they
+    already hold.
+    """
+
     def __init__(self, config: PlannerConfig, redis: Any) -> None:
         self.cfg = config
         self.redis = redis

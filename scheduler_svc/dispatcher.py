@@ -2,21 +2,6 @@
 
 All state is in Redis (the requests stream's consumer group, assignment hashes, per-worker
 assignment sets), so a scheduler can be killed and restarted at any moment:
-
-- a job is XACKed (and deleted) in the same MULTI that puts it in a worker's inbox and records
-  the assignment, so it is never both lost and acknowledged;
-- entries a dead scheduler left pending are reclaimed with XAUTOCLAIM after ``claim_idle_ms``;
-  an entry delivered more than ``max_deliveries`` times (a poison job) is dead-lettered;
-- a worker whose heartbeat key expired has its unfinished assignments re-sent, attempt + 1; so
-  does a stalled one (work in hand, no engine step for ``stall_s``: capacity.ProgressView),
-  which is also left out of dispatch and the lease table until its engine moves again;
-- no loop dies on an exception: one that is not Redis's is logged with its traceback, the entry
-  that caused it (an undecodable job, an assignment record that is not one) is dead-lettered,
-  and the loop goes on (a dead loop left the scheduler heartbeating nothing: it looked alive).
-
-With every heartbeat check it also re-publishes the lease table (nightjar.dispatch_lease): the
-live workers a gateway may put jobs into directly, by the same capacity measure. Jobs leased
-that way never pass through here but leave the same records, so re-dispatch covers them too.
 """
 
 from __future__ import annotations
@@ -43,6 +28,22 @@ CLOCK_SYNC_S = 10.0  # re-measure Redis' clock this often (hosts drift slowly)
 
 
 class Dispatcher:
+    """- a job is XACKed (and deleted) in the same MULTI that puts it in a worker's inbox and records
+      the assignment, so it is never both lost and acknowledged;
+    - entries a dead scheduler left pending are reclaimed with XAUTOCLAIM after ``claim_idle_ms``;
+      an entry delivered more than ``max_deliveries`` times (a poison job) is dead-lettered;
+    - a worker whose heartbeat key expired has its unfinished assignments re-sent, attempt + 1; so
+      does a stalled one (work in hand, no engine step for ``stall_s``: capacity.ProgressView),
+      which is also left out of dispatch and the lease table until its engine moves again;
+    - no loop dies on an exception: one that is not Redis's is logged with its traceback, the entry
+      that caused it (an undecodable job, an assignment record that is not one) is dead-lettered,
+      and the loop goes on (a dead loop left the scheduler heartbeating nothing: it looked alive).
+
+    With every heartbeat check it also re-publishes the lease table (nightjar.dispatch_lease): the
+    live workers a gateway may put jobs into directly, by the same capacity measure. Jobs leased
+    that way never pass through here but leave the same records, so re-dispatch covers them too.
+    """
+
     def __init__(self, cfg: SchedulerConfig, redis: aioredis.Redis) -> None:
         self.cfg = cfg
         self.keys = Keys(cfg.key_prefix)

@@ -6,11 +6,6 @@ same thing by "burst" or "azure_conv". That module expresses load as a multiple 
 here the capacity is the real stack's, measured by a short probe (``compare.calibrate``), and
 the lengths are scaled down by ``LengthScale`` so that a run fits the slow CPU models and their
 ~1024-token context.
-
-Specs: ``poisson:ρ`` (steady load ρ × capacity), ``rates:ρ1,ρ2,...`` (Poisson, equal-length
-steps at each load), ``burst``, ``ramp``, ``oscillation``, ``azure_conv``, ``azure_code``, and
-``closed:C``: C clients in a closed loop, each sending its next fixed-length request (ignore_eos)
-as soon as the last one finished; the first ``CLOSED_WARMUP_S`` are not counted.
 """
 
 from __future__ import annotations
@@ -60,6 +55,12 @@ class LengthScale:
 
 @dataclass(frozen=True)
 class Workload:
+    """Specs: ``poisson:ρ`` (steady load ρ × capacity), ``rates:ρ1,ρ2,...`` (Poisson, equal-length
+    steps at each load), ``burst``, ``ramp``, ``oscillation``, ``azure_conv``, ``azure_code``, and
+    ``closed:C``: C clients in a closed loop, each sending its next fixed-length request (ignore_eos)
+    as soon as the last one finished; the first ``CLOSED_WARMUP_S`` are not counted.
+    """
+
     name: str
     arrival_s: np.ndarray  # [n] ascending, seconds from the run's start
     prompt_tokens: np.ndarray  # [n] int

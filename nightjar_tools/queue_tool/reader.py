@@ -4,12 +4,6 @@ Read-only: every method here only reads (XRANGE, XPENDING, GET, HGETALL, SMEMBER
 The two mutating operations live in ``mutate.py``. Entries that fail to decode are reported
 with an ``error`` field and never stop the listing: a poison entry is exactly what an operator
 runs this tool to find.
-
-Layout (see nightjar/keys.py): jobs wait in ``keys.requests`` (field ``job``; the scheduler
-XDELs an entry once dispatched, so XLEN = waiting), assignments are hashes ``keys.assignment``
-(``worker``, ``job``, ``assigned_unix_ms``) indexed by ``keys.worker_assignments`` sets, output
-chunks are in ``keys.output`` (field ``c``), heartbeats are plain keys, step statistics and
-dead letters are streams, the policy is a plain key.
 """
 
 from __future__ import annotations
@@ -62,6 +56,13 @@ def _round(x: float | None, nd: int = 3) -> float | None:
 
 
 class QueueReader:
+    """Layout (see nightjar/keys.py): jobs wait in ``keys.requests`` (field ``job``; the scheduler
+    XDELs an entry once dispatched, so XLEN = waiting), assignments are hashes ``keys.assignment``
+    (``worker``, ``job``, ``assigned_unix_ms``) indexed by ``keys.worker_assignments`` sets, output
+    chunks are in ``keys.output`` (field ``c``), heartbeats are plain keys, step statistics and
+    dead letters are streams, the policy is a plain key.
+    """
+
     def __init__(self, r: redis.Redis, keys: Keys, now_ms: Callable[[], int] = lambda: int(time.time() * 1000),
                  limit: int = ROW_LIMIT) -> None:
         self.r = r

@@ -6,12 +6,6 @@ accepted_per_position[i]. Counts decay by ``decay`` each time a position is obse
 estimate follows drift. Unobserved positions borrow strength from the previous one:
 
     α_i = (s_i + k·m_i) / (n_i + k),   m_0 = prior_mean,  m_i = α_{i-1}
-
-and the expected tokens a sequence emits in a step with γ drafts (the bonus token included) is
-
-    E(γ) = 1 + Σ_{j=1..γ} Π_{i<j} α_i
-
-so observations at γ = 2 also predict the value of γ = 4 (one observation teaches every arm).
 """
 
 from __future__ import annotations
@@ -36,6 +30,13 @@ class AcceptanceSettings:
 
 
 class AcceptanceEstimate:
+    """and the expected tokens a sequence emits in a step with γ drafts (the bonus token included) is
+
+        E(γ) = 1 + Σ_{j=1..γ} Π_{i<j} α_i
+
+    so observations at γ = 2 also predict the value of γ = 4 (one observation teaches every arm).
+    """
+
     def __init__(self, gamma_max: int, settings: AcceptanceSettings = AcceptanceSettings()) -> None:
         self.gamma_max = gamma_max
         self.settings = settings

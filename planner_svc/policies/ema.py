@@ -1,12 +1,4 @@
 """``ema``: SGLang's ``--speculative-adaptive`` (its default "ema" strategy), as a γ policy.
-
-Per batch-size tier (SGLang's default tiers: batch 1-7 → γ ∈ {1,3,5,7}, 8-31 → {0,1,3},
-32-63 → {0,1}, 64+ → {0}; candidates above γmax are dropped), an EMA of the accepted draft
-length per request (α = 0.2) drives the tier's γ. After ``warmup`` steps, every ``interval``
-steps of the tier: step down while ema <= previous candidate − 0.5 (0.5 for 0, plus the
-down-hysteresis −0.25 at tier 1), else step up while ema > current − 0.5; from γ = 0 it
-always probes the next candidate up. No cost model: the tiers are its only notion of load.
-(sglang/srt/speculative/adaptive_spec_params.py, ``AdaptiveStepSlot``.)
 """
 
 from __future__ import annotations
@@ -55,6 +47,15 @@ class _Slot:
 
 
 class EmaPolicy(GammaPolicy):
+    """Per batch-size tier (SGLang's default tiers: batch 1-7 → γ ∈ {1,3,5,7}, 8-31 → {0,1,3},
+    32-63 → {0,1}, 64+ → {0}; candidates above γmax are dropped), an EMA of the accepted draft
+    length per request (α = 0.2) drives the tier's γ. After ``warmup`` steps, every ``interval``
+    steps of the tier: step down while ema <= previous candidate − 0.5 (0.5 for 0, plus the
+    down-hysteresis −0.25 at tier 1), else step up while ema > current − 0.5; from γ = 0 it
+    always probes the next candidate up. No cost model: the tiers are its only notion of load.
+    (sglang/srt/speculative/adaptive_spec_params.py, ``AdaptiveStepSlot``.)
+    """
+
     name = "ema"
 
     def __init__(self, settings: EmaSettings = EmaSettings(), *, gamma_max: int,

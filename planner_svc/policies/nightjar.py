@@ -4,29 +4,6 @@ Context: the batch-size bucket b (and, for residency, the worker's memory pressu
 γ ∈ {0..γmax}. Loss of arm γ in bucket b, in ms per emitted token:
 
     L(b, γ) = ( Σ_B p_b(B) · t̂(B, γ) + ĉ(b, γ) ) / ( Σ_B p_b(B) · B · Ê(γ) )
-
-with p_b the bucket's (decayed) batch-size histogram, t̂ the fitted step-cost model
-(StepCostModel), Ê the expected tokens per sequence from per-position acceptance
-(AcceptanceEstimate) and ĉ the measured catch-up ms per step when the arm is played. Every
-step updates t̂ and Ê, which predict *every* arm, so no arm has to be played to be valued.
-
-Schedule (ADA-BinGreedy style, per bucket): the bucket's own steps form a timeline of blocks;
-block j has ``bins_per_block`` bins of min(bin_max, bin_base·2^j) steps. Decisions happen only
-at bin ends, so γ changes at most twice per bin (probe and return). At a bin end the next bin
-exploits argmin L, switching only if the gain beats ``switch_margin`` plus the expected draft
-catch-up C amortised over the bin's tokens, and takes the busier neighbouring bucket's γ when
-that is within ``table_margin`` (a batch hovering at a boundary does not flip γ). With
-probability ε_j = max(ε_min, ε_0/(1+j)) it is instead a short probe bin (bin_base steps) of the cheapest uncertain arm predicted within
-``probe_margin`` of the greedy one (else a neighbour γ±1). A probe whose predicted extra time
-(its excess loss, plus C when it turns the draft on) exceeds ``probe_budget`` of the next bin's
-time has its probability scaled by (budget/extra)², because at high load its stall also delays
-every queued request. C = measured ms per catch-up token × batch × lag, summed over workers,
-the lag being the γ=0 steps in a row each worker reports (its whole context after a long run).
-So at low load γ>0 keeps being probed and estimates keep refreshing (no deadlock at γ=0), while
-at high load a probe after a long γ=0 run is rare. Never-visited buckets start at the model's
-choice, capped by the next smaller bucket's γ; a bin whose observed loss misses its prediction
-by more than ``change_tolerance`` (over at least ``change_min_tokens`` tokens of exploit bins) restarts
-the bucket's schedule at block 0.
 """
 
 from __future__ import annotations
@@ -156,6 +133,30 @@ class _Timeline:
 
 
 class NightjarPolicy(GammaPolicy):
+    """with p_b the bucket's (decayed) batch-size histogram, t̂ the fitted step-cost model
+    (StepCostModel), Ê the expected tokens per sequence from per-position acceptance
+    (AcceptanceEstimate) and ĉ the measured catch-up ms per step when the arm is played. Every
+    step updates t̂ and Ê, which predict *every* arm, so no arm has to be played to be valued.
+
+    Schedule (ADA-BinGreedy style, per bucket): the bucket's own steps form a timeline of blocks;
+    block j has ``bins_per_block`` bins of min(bin_max, bin_base·2^j) steps. Decisions happen only
+    at bin ends, so γ changes at most twice per bin (probe and return). At a bin end the next bin
+    exploits argmin L, switching only if the gain beats ``switch_margin`` plus the expected draft
+    catch-up C amortised over the bin's tokens, and takes the busier neighbouring bucket's γ when
+    that is within ``table_margin`` (a batch hovering at a boundary does not flip γ). With
+    probability ε_j = max(ε_min, ε_0/(1+j)) it is instead a short probe bin (bin_base steps) of the cheapest uncertain arm predicted within
+    ``probe_margin`` of the greedy one (else a neighbour γ±1). A probe whose predicted extra time
+    (its excess loss, plus C when it turns the draft on) exceeds ``probe_budget`` of the next bin's
+    time has its probability scaled by (budget/extra)², because at high load its stall also delays
+    every queued request. C = measured ms per catch-up token × batch × lag, summed over workers,
+    the lag being the γ=0 steps in a row each worker reports (its whole context after a long run).
+    So at low load γ>0 keeps being probed and estimates keep refreshing (no deadlock at γ=0), while
+    at high load a probe after a long γ=0 run is rare. Never-visited buckets start at the model's
+    choice, capped by the next smaller bucket's γ; a bin whose observed loss misses its prediction
+    by more than ``change_tolerance`` (over at least ``change_min_tokens`` tokens of exploit bins) restarts
+    the bucket's schedule at block 0.
+    """
+
     name = "nightjar"
 
     def __init__(self, settings: NightjarSettings = NightjarSettings(), *, gamma_max: int, seed: int = 0,

@@ -2,27 +2,6 @@
 
 Pressure of a step = (requests waiting) and (KV used / KV total >= kv_full_fraction); each
 worker keeps an exponential average p of it. With hysteresis and a minimum dwell:
-
-    offload  if resident  and p >= offload_above and γ wanted at its batch size == 0
-             and gain(B) <= offload_max_gain and gain(B') <= offload_max_gain
-             and batching gain(B → B') >= offload_min_batching_gain
-    reload   if offloaded and p <= reload_below  and used KV fits in reload_fit · resident pool
-             and gain · horizon_ms > reload_cost_ms + catch-up ms of its live tokens,
-             or, pressure or not, if gain >= reload_gain_under_pressure (a mistaken offload)
-
-where gain = 1 − L(γ*)/L(0) is the policy's predicted speed-up of speculation at the worker's
-batch size, and the batching gain is the predicted rise in γ=0 tokens/s from B to the batch B'
-the freed memory admits (B' = min(B·growth, B + waiting), growth = KV pool offloaded / resident,
-measured after the first offload, from the worker's memory parts before it). Where the step is
-compute-bound a bigger batch buys no throughput: it only moves waiting time into slower decoding
-for everyone, so the draft stays. And where speculation would pay again at B' (the next bucket
-up learned a γ > 0), the draft would be reloaded as soon as the batch grew.
-
-Both moves wait ``min_dwell_steps`` after the previous one and are checked every 16 steps, so
-the directive cannot flap. A worker whose steps stop for ``forget_after_ms`` (by the steps'
-own clock, checked every quarter of it) is forgotten: a dead one must not stay in every
-published policy, and a live one that idled that long has no pressure left, so "resident"
-(the default directive) is right for it.
 """
 
 from __future__ import annotations
@@ -81,6 +60,28 @@ class _WorkerState:
 
 @dataclass
 class ResidencyController:
+    """offload  if resident  and p >= offload_above and γ wanted at its batch size == 0
+                 and gain(B) <= offload_max_gain and gain(B') <= offload_max_gain
+                 and batching gain(B → B') >= offload_min_batching_gain
+        reload   if offloaded and p <= reload_below  and used KV fits in reload_fit · resident pool
+                 and gain · horizon_ms > reload_cost_ms + catch-up ms of its live tokens,
+                 or, pressure or not, if gain >= reload_gain_under_pressure (a mistaken offload)
+
+    where gain = 1 − L(γ*)/L(0) is the policy's predicted speed-up of speculation at the worker's
+    batch size, and the batching gain is the predicted rise in γ=0 tokens/s from B to the batch B'
+    the freed memory admits (B' = min(B·growth, B + waiting), growth = KV pool offloaded / resident,
+    measured after the first offload, from the worker's memory parts before it). Where the step is
+    compute-bound a bigger batch buys no throughput: it only moves waiting time into slower decoding
+    for everyone, so the draft stays. And where speculation would pay again at B' (the next bucket
+    up learned a γ > 0), the draft would be reloaded as soon as the batch grew.
+
+    Both moves wait ``min_dwell_steps`` after the previous one and are checked every 16 steps, so
+    the directive cannot flap. A worker whose steps stop for ``forget_after_ms`` (by the steps'
+    own clock, checked every quarter of it) is forgotten: a dead one must not stay in every
+    published policy, and a live one that idled that long has no pressure left, so "resident"
+    (the default directive) is right for it.
+    """
+
     settings: ResidencySettings = field(default_factory=ResidencySettings)
     workers: dict[str, _WorkerState] = field(default_factory=dict)
     _swept_ms: int = 0  # when workers were last checked for silence

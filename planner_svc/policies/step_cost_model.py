@@ -1,26 +1,4 @@
 """A fitted step-time model t(B, γ) = γ·d(B) + v(B·(γ+1)) + r(B), learned online from StepStats.
-
-The verify pass costs v(n) for n = B·(γ+1) tokens (roofline: flat while memory-bound, linear
-once compute-bound), and the draft costs d(B) per pass, γ passes a step. Both are learned as
-running means per n (per B for the draft) with a capped weight, i.e. a mean that turns into an
-exponential average of the last ``cap`` observations, so old data decays as new data arrives.
-Both curves are fitted non-decreasing (isotonic), since more tokens never cost less.
-Between observed points the model interpolates linearly; beyond the observed range on either
-side it extrapolates with the slope of the nearest half of the range, clamped to [0, v/n] (flat
-= memory-bound, proportional = compute-bound: the two roofline limits). Below the range that
-errs optimistic, so an unplayed cheap arm gets probed rather than written off. Outside
-the batch sizes the draft was measured at, d(B) follows the shape of v: d(B₀)·v(B)/v(B₀).
-
-So a γ=0 step at B=32 (n = 32) predicts the verify cost of γ=3 at B=8 (n = 32): one
-observation teaches every arm with the same token count. No offline profiling.
-
-r(B) is the part of a verify pass that grows with the number of sequences rather than tokens:
-attention reads each sequence's whole KV, and on a CPU engine the per-sequence bookkeeping
-shows too (two runs of scripts/bench_speculation.py on the shipped pair: B=32 at γ=0 took
-52–73 ms, B=16 at γ=1 — the same 32 tokens — 33–35 ms). Without it, v(32) averages the two and the model calls γ>0 dear at large
-batches where it is cheap. v and r are fitted together by backfitting one observation at a
-time: v(n) learns the step minus r(B), r(B) the step minus v(n). Between and beyond the batch
-sizes seen, r interpolates and stays flat.
 """
 
 from __future__ import annotations
@@ -187,6 +165,29 @@ class _PerBatch(_Curve):
 
 
 class StepCostModel:
+    """The verify pass costs v(n) for n = B·(γ+1) tokens (roofline: flat while memory-bound, linear
+    once compute-bound), and the draft costs d(B) per pass, γ passes a step. Both are learned as
+    running means per n (per B for the draft) with a capped weight, i.e. a mean that turns into an
+    exponential average of the last ``cap`` observations, so old data decays as new data arrives.
+    Both curves are fitted non-decreasing (isotonic), since more tokens never cost less.
+    Between observed points the model interpolates linearly; beyond the observed range on either
+    side it extrapolates with the slope of the nearest half of the range, clamped to [0, v/n] (flat
+    = memory-bound, proportional = compute-bound: the two roofline limits). Below the range that
+    errs optimistic, so an unplayed cheap arm gets probed rather than written off. Outside
+    the batch sizes the draft was measured at, d(B) follows the shape of v: d(B₀)·v(B)/v(B₀).
+
+    So a γ=0 step at B=32 (n = 32) predicts the verify cost of γ=3 at B=8 (n = 32): one
+    observation teaches every arm with the same token count. No offline profiling.
+
+    r(B) is the part of a verify pass that grows with the number of sequences rather than tokens:
+    attention reads each sequence's whole KV, and on a CPU engine the per-sequence bookkeeping
+    shows too (two runs of scripts/bench_speculation.py on the shipped pair: B=32 at γ=0 took
+    52–73 ms, B=16 at γ=1 — the same 32 tokens — 33–35 ms). Without it, v(32) averages the two and the model calls γ>0 dear at large
+    batches where it is cheap. v and r are fitted together by backfitting one observation at a
+    time: v(n) learns the step minus r(B), r(B) the step minus v(n). Between and beyond the batch
+    sizes seen, r interpolates and stays flat.
+    """
+
     def __init__(self, settings: StepCostSettings = StepCostSettings()) -> None:
         self.settings = settings
         self.verify = _Curve(settings.max_tokens, settings.weight_cap)

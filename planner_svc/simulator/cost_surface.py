@@ -5,22 +5,6 @@ batch size up to ``max_batch`` (a list index in the hot loop), plus prefill and 
 
 Roofline (defaults calibrated to a small model on a laptop-class CPU: a batch-1 decode step
 ≈ 5 ms, compute-bound from ~16 tokens per pass, the draft ≈ 1/6 of the target):
-
-    verify(B, γ) = overhead + max(weights, per_token · B(γ+1)) + kv_per_seq · B
-    draft(B, γ)  = γ · draft_ratio · (overhead + max(weights, per_token · B))
-
-Measured table (JSON, written by the engine benchmark)::
-
-    {"machine": str, "batch_sizes": [..], "gammas": [0..γmax],
-     "step_ms": [[ms per γ] per batch size],          # draft + verify of one decode step
-     "draft_ms": [[..]] (optional, same shape),        # else draft = γ·draft_ratio·step(B, 0)
-     "acceptance_per_position": [..],                  # P(accept position i | accepted 0..i-1)
-     "acceptance_kind": "conditional" (default) or "unconditional" (P(accept 0..i)),
-     "catchup_ms_fixed": float, "catchup_ms_per_token": float,
-     "prefill_ms_per_token": float (optional)}         # else the γ=0 slope at the largest batch
-
-Between measured batch sizes the table interpolates linearly; above the largest it extrapolates
-with the last slope.
 """
 
 from __future__ import annotations
@@ -52,7 +36,24 @@ class RooflineSettings:
 
 
 class CostSurface:
-    """Precomputed per-(B, γ) times; build with ``roofline()`` or ``load_table()``."""
+    """Precomputed per-(B, γ) times; build with ``roofline()`` or ``load_table()``.
+
+        verify(B, γ) = overhead + max(weights, per_token · B(γ+1)) + kv_per_seq · B
+        draft(B, γ)  = γ · draft_ratio · (overhead + max(weights, per_token · B))
+
+    Measured table (JSON, written by the engine benchmark)::
+
+        {"machine": str, "batch_sizes": [..], "gammas": [0..γmax],
+         "step_ms": [[ms per γ] per batch size],          # draft + verify of one decode step
+         "draft_ms": [[..]] (optional, same shape),        # else draft = γ·draft_ratio·step(B, 0)
+         "acceptance_per_position": [..],                  # P(accept position i | accepted 0..i-1)
+         "acceptance_kind": "conditional" (default) or "unconditional" (P(accept 0..i)),
+         "catchup_ms_fixed": float, "catchup_ms_per_token": float,
+         "prefill_ms_per_token": float (optional)}         # else the γ=0 slope at the largest batch
+
+    Between measured batch sizes the table interpolates linearly; above the largest it extrapolates
+    with the last slope.
+    """
 
     def __init__(self, *, name: str, draft_ms: np.ndarray, verify_ms: np.ndarray, prefill_ms_per_token: float,
                  catchup_ms_fixed: float, catchup_ms_per_token: float,

@@ -1,23 +1,4 @@
 """One simulated worker: continuous batching over a KV budget, speculative steps, draft residency.
-
-Per step (mirrors the engine): finish residency moves → admit queued requests that fit →
-γ = policy(batch) (0 while the draft is away) → draft catch-up if γ>0 and the draft is behind
-(tokens decoded at γ=0, and new prompts: the draft prefills what it has not seen) → draft γ
-passes + one target forward (decode rows, plus the new prompts' prefill rows) → accept (sampled)
-→ emit → publish StepStats to the policy. verify_ms includes the prefill rows, as the engine's.
-Sequences live in one [5, max_batch] numpy array, so a step costs a handful of numpy calls and
-finishing sequences is one compaction. Every decode step emits at least one token per live
-sequence, so the rows hold values relative to two worker counters and a γ=0 step touches no
-array: true remaining = REM − ``ticks`` (decode steps so far; a speculative step also
-subtracts the accepted tokens), true draft lag = LAG + ``zero_run`` (γ=0 steps since the draft
-last caught up). The context is TOTAL − remaining (prompt + output is fixed per request). A lower
-bound on the remaining tokens (``rem_floor``) says when a sequence may have finished, so most
-steps skip the finish check.
-
-KV model: a request reserves prompt + output + γmax lookahead tokens on admission (no
-preemption). Offloading the draft grows the pool by ``draft_kv_share`` after ``offload_ms``;
-reloading waits until the used KV fits the smaller pool, shrinks it, and speculation resumes
-``reload_ms`` later with the draft's KV rebuilt for every live token (catch-up).
 """
 
 from __future__ import annotations
@@ -69,6 +50,26 @@ class UniformBuffer:
 
 
 class SimWorker:
+    """Per step (mirrors the engine): finish residency moves → admit queued requests that fit →
+    γ = policy(batch) (0 while the draft is away) → draft catch-up if γ>0 and the draft is behind
+    (tokens decoded at γ=0, and new prompts: the draft prefills what it has not seen) → draft γ
+    passes + one target forward (decode rows, plus the new prompts' prefill rows) → accept (sampled)
+    → emit → publish StepStats to the policy. verify_ms includes the prefill rows, as the engine's.
+    Sequences live in one [5, max_batch] numpy array, so a step costs a handful of numpy calls and
+    finishing sequences is one compaction. Every decode step emits at least one token per live
+    sequence, so the rows hold values relative to two worker counters and a γ=0 step touches no
+    array: true remaining = REM − ``ticks`` (decode steps so far; a speculative step also
+    subtracts the accepted tokens), true draft lag = LAG + ``zero_run`` (γ=0 steps since the draft
+    last caught up). The context is TOTAL − remaining (prompt + output is fixed per request). A lower
+    bound on the remaining tokens (``rem_floor``) says when a sequence may have finished, so most
+    steps skip the finish check.
+
+    KV model: a request reserves prompt + output + γmax lookahead tokens on admission (no
+    preemption). Offloading the draft grows the pool by ``draft_kv_share`` after ``offload_ms``;
+    reloading waits until the used KV fits the smaller pool, shrinks it, and speculation resumes
+    ``reload_ms`` later with the draft's KV rebuilt for every live token (catch-up).
+    """
+
     def __init__(self, worker_id: str, *, surface: CostSurface, acceptance: AcceptanceProcess, max_batch: int,
                  kv_tokens: int, draft_kv_share: float, block_tokens: int, offload_ms: float, reload_ms: float,
                  gamma_max: int) -> None:

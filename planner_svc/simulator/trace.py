@@ -1,12 +1,4 @@
 """Request traces: arrival times and lengths, synthetic or replayed from the Azure LLM traces.
-
-Rates are given as multiples of the simulated machine's capacity (a function of the trace's mean
-prompt and output lengths, e.g. ``simulation.capacity_rps``), so one trace definition means the
-same load on any cost surface and length mix. Shapes: ``poisson:ρ``, ``burst``
-(phases 2→8→24→40→6 in units of capacity/20), ``ramp`` (0.1 → 1.5 → 0.1), ``oscillation``
-(sinusoid between 0.1 and 1.4), ``azure_conv`` / ``azure_code`` (the Azure 2023 traces'
-inter-arrival times, time-scaled to mean load ``azure_load``; prompt lengths scaled so the 99th
-percentile fits a ~1024-token context, outputs capped).
 """
 
 from __future__ import annotations
@@ -29,6 +21,15 @@ MAX_OUTPUT = 256
 
 @dataclass(frozen=True)
 class Trace:
+    """Rates are given as multiples of the simulated machine's capacity (a function of the trace's mean
+    prompt and output lengths, e.g. ``simulation.capacity_rps``), so one trace definition means the
+    same load on any cost surface and length mix. Shapes: ``poisson:ρ``, ``burst``
+    (phases 2→8→24→40→6 in units of capacity/20), ``ramp`` (0.1 → 1.5 → 0.1), ``oscillation``
+    (sinusoid between 0.1 and 1.4), ``azure_conv`` / ``azure_code`` (the Azure 2023 traces'
+    inter-arrival times, time-scaled to mean load ``azure_load``; prompt lengths scaled so the 99th
+    percentile fits a ~1024-token context, outputs capped).
+    """
+
     name: str
     arrival_ms: np.ndarray  # [n] ascending
     prompt_tokens: np.ndarray  # [n] int

@@ -4,25 +4,6 @@ Offload copies every weight tensor into host buffers and then drops the device t
 reload allocates fresh device tensors and copies the host buffers back. In between, the
 model holds zero-size placeholders, so a forward that ran by mistake fails loudly instead of
 reading freed memory.
-
-On CUDA the host buffers are pinned (page-locked, so the DMA engine can copy them while the
-GPU computes), allocated once when the engine starts and reused by every cycle (pinning is
-slow and fragments host memory; on the CPU they are allocated at the first offload). Copies
-run on a side ``torch.cuda.Stream``; a ``torch.cuda.Event`` marks completion, and the engine polls ``event.query()`` between steps,
-so the decode loop never waits on a transfer.
-
-The copy is paced: at most ``chunk_bytes`` are queued at a time, the next chunk when the engine
-polls and finds the last one done. Copies in one direction share the GPU's copy engine, so a
-decode step's own small copies (inputs up, sampled ids down) queue behind whatever transfer is
-in flight: on an H200 one 2 GB copy held a decode step for the whole 37 ms of it (an 8 ms
-step). With 64 MiB chunks a step waits at most ~1.2 ms, and the move takes more steps.
-
-On CPU the same code runs synchronously (each chunk is copied when it is queued): the
-host buffers are ordinary tensors, the "device" copy really is freed on offload and really
-reallocated on reload, so the accounting and the tensor lifetimes are the ones a GPU sees.
-
-Weights never change, so the host copy stays valid after a reload; every offload still
-copies (the measured transfer is the one a first offload pays).
 """
 
 from __future__ import annotations
@@ -75,6 +56,26 @@ def _pieces(dst: list[torch.Tensor], src: list[torch.Tensor], chunk_bytes: int) 
 
 
 class DraftMover:
+    """On CUDA the host buffers are pinned (page-locked, so the DMA engine can copy them while the
+    GPU computes), allocated once when the engine starts and reused by every cycle (pinning is
+    slow and fragments host memory; on the CPU they are allocated at the first offload). Copies
+    run on a side ``torch.cuda.Stream``; a ``torch.cuda.Event`` marks completion, and the engine polls ``event.query()`` between steps,
+    so the decode loop never waits on a transfer.
+
+    The copy is paced: at most ``chunk_bytes`` are queued at a time, the next chunk when the engine
+    polls and finds the last one done. Copies in one direction share the GPU's copy engine, so a
+    decode step's own small copies (inputs up, sampled ids down) queue behind whatever transfer is
+    in flight: on an H200 one 2 GB copy held a decode step for the whole 37 ms of it (an 8 ms
+    step). With 64 MiB chunks a step waits at most ~1.2 ms, and the move takes more steps.
+
+    On CPU the same code runs synchronously (each chunk is copied when it is queued): the
+    host buffers are ordinary tensors, the "device" copy really is freed on offload and really
+    reallocated on reload, so the accounting and the tensor lifetimes are the ones a GPU sees.
+
+    Weights never change, so the host copy stays valid after a reload; every offload still
+    copies (the measured transfer is the one a first offload pays).
+    """
+
     def __init__(self, model: LlamaModel, chunk_bytes: int = COPY_CHUNK_BYTES) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")

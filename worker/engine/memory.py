@@ -5,25 +5,6 @@ The budget is split into parts that are all counted, all the time:
 and no transition ever leaves their sum above it. Residency moves through
 
     resident --offload()--> offloading --copy done--> offloaded --reload()--> reloading --copy done--> resident
-
-- offload (expand): γ is 0 from the next step (``engine.draft_residency`` is no longer
-  "resident"); every sequence's draft KV is dropped and the draft pool tensor freed; the
-  weights are copied to host (async on CUDA); once the copy is done the device weights are
-  freed and the target pool grows by every byte that left. Running sequences keep their blocks
-  and the next step runs as usual, only with γ = 0.
-- reload (squeeze): refused (and counted) when the running sequences' next step would not
-  fit in the smaller pool — shrinking then would force preemption. Otherwise live target blocks
-  above the base size are migrated below it (block tables updated), the pools are reallocated
-  at their base sizes, and the weights are copied back (async on CUDA). Only when the copy is
-  done does the residency become "resident", so γ > 0 resumes; every sequence's draft KV is
-  then rebuilt by the speculator's catch-up (its ``draft_computed`` was reset to 0).
-
-Directives: ``set_directive("resident" | "offloaded")`` (the planner's policy through the
-worker service) or a callback polled each step (``set_directive_source``). The manager keeps
-pursuing the last directive: a refused reload is retried each step until it is safe, which is
-"wait until the blocks are free", never preemption.
-
-The manager runs on the engine's thread, between steps (``poll`` is the first thing a step does).
 """
 
 from __future__ import annotations
@@ -139,6 +120,26 @@ class MemoryPressure:
 
 
 class MemoryManager:
+    """- offload (expand): γ is 0 from the next step (``engine.draft_residency`` is no longer
+      "resident"); every sequence's draft KV is dropped and the draft pool tensor freed; the
+      weights are copied to host (async on CUDA); once the copy is done the device weights are
+      freed and the target pool grows by every byte that left. Running sequences keep their blocks
+      and the next step runs as usual, only with γ = 0.
+    - reload (squeeze): refused (and counted) when the running sequences' next step would not
+      fit in the smaller pool — shrinking then would force preemption. Otherwise live target blocks
+      above the base size are migrated below it (block tables updated), the pools are reallocated
+      at their base sizes, and the weights are copied back (async on CUDA). Only when the copy is
+      done does the residency become "resident", so γ > 0 resumes; every sequence's draft KV is
+      then rebuilt by the speculator's catch-up (its ``draft_computed`` was reset to 0).
+
+    Directives: ``set_directive("resident" | "offloaded")`` (the planner's policy through the
+    worker service) or a callback polled each step (``set_directive_source``). The manager keeps
+    pursuing the last directive: a refused reload is retried each step until it is safe, which is
+    "wait until the blocks are free", never preemption.
+
+    The manager runs on the engine's thread, between steps (``poll`` is the first thing a step does).
+    """
+
     def __init__(self, engine: "Engine") -> None:
         cfg = engine.cfg
         self.engine = engine

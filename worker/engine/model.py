@@ -4,13 +4,6 @@ No nn.Module tree: on a CPU a tiny model's step is dominated by per-op overhead,
 a fixed sequence of ~15 batched tensor ops on fused weights (q|k|v and gate|up are one matmul
 each, RoPE is applied to q and k together), and everything that is the same for all layers
 (positions, slots, gather indices, mask) is computed once per forward in ``PagedBatch``.
-
-Weights (see loader.fused_weights):
-  embed [V, D], norm [D], head [V, D] (the same tensor as embed when tied), and per layer
-  ln1 [D], qkv [(H + 2K) * d, D], qkv_bias [(H + 2K) * d] | None, o [D, H * d], ln2 [D],
-  gate_up [2I, D], down [D, I]. On CPU the matrices (head included) are stored either packed
-  for oneDNN (``packed``: a model whose weights stay put, see worker/engine/engine/engine/engine/linear.py) or transposed,
-  [in, out] (``t_layout``: a draft that the mover offloads as plain tensors).
 """
 
 from __future__ import annotations
@@ -47,6 +40,14 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class LlamaModel:
+    """Weights (see loader.fused_weights):
+      embed [V, D], norm [D], head [V, D] (the same tensor as embed when tied), and per layer
+      ln1 [D], qkv [(H + 2K) * d, D], qkv_bias [(H + 2K) * d] | None, o [D, H * d], ln2 [D],
+      gate_up [2I, D], down [D, I]. On CPU the matrices (head included) are stored either packed
+      for oneDNN (``packed``: a model whose weights stay put, see worker/engine/engine/engine/engine/linear.py) or transposed,
+      [in, out] (``t_layout``: a draft that the mover offloads as plain tensors).
+    """
+
     def __init__(self, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device: str | torch.device,
                  packed: bool = False) -> None:
         """packed: store the matrices in oneDNN's layout (CPU fp32 only; the model cannot move then)."""

@@ -1,14 +1,4 @@
 """Scheduler: which sequences run this step and how many tokens each is fed.
-
-Per step, in order:
-1. every running sequence past its prefill decodes: it is fed its last token plus γ proposals,
-   so its target table must hold num_tokens + γ slots (γ lookahead slots) and, when γ > 0, its
-   draft table num_tokens + γ - 1. When blocks run out the newest running sequence is
-   preempted (KV freed, recomputed later) — possibly the one asking.
-2. partially prefilled sequences get the next chunk of the remaining token budget;
-3. waiting sequences are admitted first come first served while the token budget,
-   ``max_running`` and the free blocks above the watermark allow. Admission allocates blocks
-   for the whole prompt at once, so prefill chunks never wait for memory.
 """
 
 from __future__ import annotations
@@ -33,6 +23,17 @@ class ScheduledBatch:
 
 
 class Scheduler:
+    """Per step, in order:
+    1. every running sequence past its prefill decodes: it is fed its last token plus γ proposals,
+       so its target table must hold num_tokens + γ slots (γ lookahead slots) and, when γ > 0, its
+       draft table num_tokens + γ - 1. When blocks run out the newest running sequence is
+       preempted (KV freed, recomputed later) — possibly the one asking.
+    2. partially prefilled sequences get the next chunk of the remaining token budget;
+    3. waiting sequences are admitted first come first served while the token budget,
+       ``max_running`` and the free blocks above the watermark allow. Admission allocates blocks
+       for the whole prompt at once, so prefill chunks never wait for memory.
+    """
+
     def __init__(self, target: BlockManager, draft: BlockManager | None, max_running: int,
                  max_batched_tokens: int) -> None:
         self.target, self.draft = target, draft

@@ -3,15 +3,8 @@
 The draft keeps its own paged KV (its own pool and block tables, same block size) and its own
 counter ``seq.draft_computed``. While γ = 0 it does nothing at all, so its KV falls behind; the
 first speculative step after that rebuilds the missing tokens with one batched draft prefill
-(the catch-up, the switching cost C_switch), timed and counted.
-
-Acceptance (Leviathan et al. / gpt-fast), per sequence, with p the target's and q the draft's
-distributions after temperature / top-k / top-p (applied identically to both):
-    accept draft token x_i with probability min(1, p_i(x_i) / q_i(x_i)), stop at the first reject;
-    on a reject at i sample from the residual norm(max(0, p_i - q_i));
-    if all γ are accepted sample the bonus token from p_γ.
-Greedy rows carry one-hot p and q, which turns this into "longest prefix matching the target's
-argmax, then the target's token".
+(the catch-up, the switching cost C_switch), timed and counted. The acceptance rule:
+``accept_tokens``.
 """
 
 from __future__ import annotations
@@ -39,7 +32,16 @@ class Proposal:
 def accept_tokens(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Tensor,
                   u_final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """p: [B, γ+1, V] target probs, q: [B, γ, V] draft probs, drafts: [B, γ] draft tokens,
-    u_accept: [B, γ], u_final: [B] uniforms -> (n_accepted [B], next token [B])."""
+    u_accept: [B, γ], u_final: [B] uniforms -> (n_accepted [B], next token [B]).
+
+    Acceptance (Leviathan et al. / gpt-fast), per sequence, with p the target's and q the draft's
+    distributions after temperature / top-k / top-p (applied identically to both):
+        accept draft token x_i with probability min(1, p_i(x_i) / q_i(x_i)), stop at the first reject;
+        on a reject at i sample from the residual norm(max(0, p_i - q_i));
+        if all γ are accepted sample the bonus token from p_γ.
+    Greedy rows carry one-hot p and q, which turns this into "longest prefix matching the target's
+    argmax, then the target's token".
+    """
     b, g1, v = p.shape
     gamma = g1 - 1
     rows = torch.arange(b, device=p.device)

@@ -1,18 +1,4 @@
 """The worker's local copy of the planner's policy: γ per batch size without touching the network.
-
-``PolicyView`` holds the newest ``Policy`` it was given and answers ``gamma(batch, now)`` from
-it, or from the worker's own default when the policy is absent, older than its TTL (a dead
-planner never freezes γ at a stale value) or stamped in the future (a planner whose clock runs
-ahead would otherwise be trusted for longer than its TTL). Newest means a higher version of the
-same epoch, or a new epoch (a planner that restarted from a fresh state counts from 1 again);
-an older version, or a policy of an epoch already left, is ignored, so a late pub/sub message
-cannot roll it back. A residency it does not know is logged and ignored (the draft stays
-resident), never handed to the engine. ``follow_policy`` keeps it current: it loads keys.policy at start,
-then follows keys.policy_channel, reloading the key after every (re)subscription so nothing
-published during a Redis blip is missed.
-
-The engine thread calls ``gamma`` every step; the asyncio side calls ``update``. The view only
-ever swaps one reference to an immutable Policy, so no lock is needed.
 """
 
 from __future__ import annotations
@@ -33,6 +19,21 @@ LEFT_EPOCHS_KEPT = 16  # epochs remembered as left (a late message from one is i
 
 
 class PolicyView:
+    """``PolicyView`` holds the newest ``Policy`` it was given and answers ``gamma(batch, now)`` from
+    it, or from the worker's own default when the policy is absent, older than its TTL (a dead
+    planner never freezes γ at a stale value) or stamped in the future (a planner whose clock runs
+    ahead would otherwise be trusted for longer than its TTL). Newest means a higher version of the
+    same epoch, or a new epoch (a planner that restarted from a fresh state counts from 1 again);
+    an older version, or a policy of an epoch already left, is ignored, so a late pub/sub message
+    cannot roll it back. A residency it does not know is logged and ignored (the draft stays
+    resident), never handed to the engine. ``follow_policy`` keeps it current: it loads keys.policy at start,
+    then follows keys.policy_channel, reloading the key after every (re)subscription so nothing
+    published during a Redis blip is missed.
+
+    The engine thread calls ``gamma`` every step; the asyncio side calls ``update``. The view only
+    ever swaps one reference to an immutable Policy, so no lock is needed.
+    """
+
     def __init__(self, worker_id: str, default_gamma: Callable[[int], int] | int, ttl_s: float | None = None) -> None:
         if isinstance(default_gamma, int):
             if default_gamma < 0:

@@ -1,19 +1,5 @@
 """The worker service: Redis on one side (asyncio), the engine loop on the other (a thread, or on
 CUDA a child process: worker/host/process.py).
-
-- inbox: XREADGROUP on its own inbox stream; a job is acknowledged only once its final chunk
-  is written (a worker killed mid-request leaves it pending; the scheduler re-dispatches it);
-- outputs: every engine step's chunks go out in one pipelined round trip, with the step's
-  stats (capped stream) and the bookkeeping of finished requests (worker/service/redis_ops.py); a
-  chunk of a request the scheduler moved to another worker is refused, and our copy aborted;
-- re-dispatched jobs continue from the tokens their client already has (read from the
-  request's output stream), never from index 0;
-- cancels: pub/sub for speed, plus a periodic key check for messages missed while reconnecting;
-- heartbeat: a Heartbeat with a TTL every ``heartbeat_interval_s``; the first is sent only once
-  the models are loaded (and Redis answers), so the stack is ready exactly when a worker can
-  take work; it carries the engine's step count (progress) and, after SIGTERM, ``draining``;
-- policy: worker.host.policy_view follows the planner; each new version goes to the engine, which
-  reads γ from its own view every step.
 """
 
 from __future__ import annotations
@@ -53,6 +39,23 @@ class Active:
 
 
 class WorkerService:
+    """One task per concern, all on the event loop:
+
+    - inbox: XREADGROUP on its own inbox stream; a job is acknowledged only once its final chunk
+      is written (a worker killed mid-request leaves it pending; the scheduler re-dispatches it);
+    - outputs: every engine step's chunks go out in one pipelined round trip, with the step's
+      stats (capped stream) and the bookkeeping of finished requests (worker/service/redis_ops.py); a
+      chunk of a request the scheduler moved to another worker is refused, and our copy aborted;
+    - re-dispatched jobs continue from the tokens their client already has (read from the
+      request's output stream), never from index 0;
+    - cancels: pub/sub for speed, plus a periodic key check for messages missed while reconnecting;
+    - heartbeat: a Heartbeat with a TTL every ``heartbeat_interval_s``; the first is sent only once
+      the models are loaded (and Redis answers), so the stack is ready exactly when a worker can
+      take work; it carries the engine's step count (progress) and, after SIGTERM, ``draining``;
+    - policy: worker.host.policy_view follows the planner; each new version goes to the engine, which
+      reads γ from its own view every step.
+    """
+
     def __init__(self, cfg: WorkerServiceConfig, redis: aioredis.Redis, engine_factory=None) -> None:
         self.cfg = cfg
         self.keys = Keys(cfg.key_prefix)
