@@ -63,6 +63,20 @@ def test_turns_speculation_off_past_the_crossover(clients):
     assert switches_per_1000 <= 10, switches_per_1000
 
 
+@pytest.mark.parametrize("clients", [1, 64])
+def test_follows_the_measured_serve_surface(clients):
+    # The serving pair's measured CPU surface (paged attention): speculation pays ~1.9x at batch
+    # 1 and loses past batch 32-64. One client must speculate; 64 must stop.
+    surface = load_table(SURFACES / "cpu_serve.json", max_batch=256)
+    ratio, switches_per_1000, gammas = run(surface, clients)
+    if clients == 1:
+        assert (gammas >= 2).mean() >= 0.9, np.bincount(gammas)
+    else:
+        assert (gammas == 0).mean() >= 0.9, np.bincount(gammas)
+    assert ratio >= 0.97, ratio
+    assert switches_per_1000 <= 10, switches_per_1000
+
+
 def test_prefill_cost_is_learned_from_mixed_steps_off_the_decode_cells():
     # In a closed loop a new prompt joins when a sequence leaves, so mixed steps run at B - 1
     # and decode steps at B: the prefill cost must still be learned (it stayed 0 before).
