@@ -135,7 +135,7 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
         from nightjar_tools.bench.compare import kv_budget_for_share
 
         try:
-            kv_budget = kv_budget_for_share(a.draft_share, a.draft_model)
+            kv_budget = kv_budget_for_share(a.draft_share, a.draft_model or paths.DEFAULT_DRAFT)
         except ValueError as exc:
             p.error(str(exc))
     try:

@@ -80,12 +80,15 @@ class AcceptanceEstimate:
     def expected_tokens(self) -> list[float]:
         """E(γ) for γ = 0..gamma_max."""
         if self._expected is None:
-            out, survive = [1.0], 1.0
-            for a in self.alphas():
-                survive *= a
-                out.append(out[-1] + survive)
-            self._expected = out
+            self._expected = _expected(self.alphas())
         return self._expected
+
+    def optimistic_tokens(self, z: float) -> list[float]:
+        """E(γ) with each α_i raised by z standard errors of its (decayed) trials: what the arms
+        may be worth while few sequences have been seen, as at batch 1 after an unlucky step."""
+        k = self.settings.prior_strength
+        raised = [min(0.99, a + z * (a * (1.0 - a) / (n + k)) ** 0.5) for a, n in zip(self.alphas(), self.trials)]
+        return _expected(raised)
 
     def state_dict(self) -> dict[str, Any]:
         return {"successes": self.successes, "trials": self.trials}
@@ -95,3 +98,11 @@ class AcceptanceEstimate:
             self.successes = [float(x) for x in state["successes"]]
             self.trials = [float(x) for x in state["trials"]]
             self._expected = None
+
+
+def _expected(alphas: list[float]) -> list[float]:
+    out, survive = [1.0], 1.0
+    for a in alphas:
+        survive *= a
+        out.append(out[-1] + survive)
+    return out

@@ -30,6 +30,10 @@ class NightjarSettings:
     epsilon0: float = 0.2
     epsilon_min: float = 0.03
     probe_margin: float = 0.15  # only probe arms predicted within 15% of the greedy arm
+    # Probes value an arm with acceptance raised by this many standard errors: one unlucky
+    # first step at batch 1 must not price γ>0 out of ever being probed again (at γ=0 no
+    # acceptance is observed, so a low estimate would never be corrected).
+    probe_optimism: float = 2.0
     min_plays: int = 8  # an arm with fewer plays in a bucket counts as uncertain
     stale_steps: int = 5000  # ... and so does one not played for this many bucket steps
     switch_margin: float = 0.03  # hysteresis: switch only for a predicted gain above 3% (live noise flips 1%)
@@ -56,7 +60,7 @@ class NightjarSettings:
             raise ValueError("need 0 <= epsilon_min <= epsilon0 <= 1")
         if not 0 < self.probe_budget <= 1:
             raise ValueError(f"probe_budget must be in (0, 1], got {self.probe_budget}")
-        if (self.probe_margin < 0 or self.switch_margin < 0 or self.table_margin < 0 or self.change_tolerance <= 0
+        if (self.probe_margin < 0 or self.probe_optimism < 0 or self.switch_margin < 0 or self.table_margin < 0 or self.change_tolerance <= 0
                 or self.initial_gamma < 0):
             raise ValueError("margins must be >= 0, change_tolerance > 0, initial_gamma >= 0")
 
@@ -210,12 +214,14 @@ class NightjarPolicy(GammaPolicy):
         return {wid: w.residency for wid, w in self.residency_ctl.workers.items()}
 
     # --- predictions ---------------------------------------------------------------------------
-    def losses(self, bucket: int) -> np.ndarray:
-        """Predicted ms per emitted token of every arm in one bucket, shape [γmax+1]."""
+    def losses(self, bucket: int, optimism: float = 0.0) -> np.ndarray:
+        """Predicted ms per emitted token of every arm in one bucket, shape [γmax+1]; with
+        ``optimism`` > 0, at acceptance that many standard errors above its estimate."""
         tl = self.timelines[bucket]
         sizes, weights = tl.support()
         step = weights @ self.cost.step_ms(sizes, self.gamma_max) + tl.catchup_per_step()  # [G+1]
-        tokens = float(weights @ sizes) * np.asarray(self.acceptance.expected_tokens())  # [G+1]
+        expected = self.acceptance.optimistic_tokens(optimism) if optimism else self.acceptance.expected_tokens()
+        tokens = float(weights @ sizes) * np.asarray(expected)  # [G+1]
         return step / tokens
 
     def gain(self, batch_size: int) -> float:
@@ -299,7 +305,7 @@ class NightjarPolicy(GammaPolicy):
         # A bucket that follows a busier one plays that bucket's arm, probes included, and does
         # not probe itself: its visits are the boundary crossings, and the shared models already
         # learn from the busier bucket's steps.
-        probe = None if tl.follows is not None else self._probe_choice(tl, loss)
+        probe = None if tl.follows is not None else self._probe_choice(tl, loss, self.losses(bucket, s.probe_optimism))
         if probe is not None:
             tl.arm, tl.probing, tl.steps_left = probe, True, s.bin_base
         else:
@@ -368,20 +374,21 @@ class NightjarPolicy(GammaPolicy):
             return ref, leader
         return own, None
 
-    def _probe_choice(self, tl: _Timeline, loss: np.ndarray) -> int | None:
+    def _probe_choice(self, tl: _Timeline, loss: np.ndarray, hopeful: np.ndarray) -> int | None:
+        """``hopeful``: the arms' losses at optimistic acceptance (see ``probe_optimism``)."""
         s = self.settings
         base = tl.exploit_arm
         eps = max(s.epsilon_min, s.epsilon0 / (1 + tl.block))
         uncertain = [a for a in range(self.gamma_max + 1) if a != base
                      and (tl.plays[a] < s.min_plays or tl.steps - tl.last_played[a] > s.stale_steps)
-                     and loss[a] <= loss[base] * (1.0 + s.probe_margin)]
+                     and hopeful[a] <= loss[base] * (1.0 + s.probe_margin)]
         if uncertain:
-            arm = min(uncertain, key=lambda a: loss[a])
+            arm = min(uncertain, key=lambda a: hopeful[a])
         else:
             near = [a for a in (base - 1, base + 1) if 0 <= a <= self.gamma_max]
             if not near:
                 return None
-            arm = min(near, key=lambda a: loss[a])
+            arm = min(near, key=lambda a: hopeful[a])
             eps = s.epsilon_min
         # Probe at full rate only while it is cheap: its predicted extra time (worse arm for one
         # short bin, plus the catch-up when it turns the draft on) within probe_budget of the
@@ -390,7 +397,7 @@ class NightjarPolicy(GammaPolicy):
         sizes, weights = tl.support()
         batch = float(weights @ sizes)
         expected = self.acceptance.expected_tokens()
-        extra = (loss[arm] - loss[base]) * s.bin_base * batch * expected[arm]
+        extra = max(hopeful[arm] - loss[base], 0.0) * s.bin_base * batch * expected[arm]
         if base == 0 and arm > 0:
             extra += self._catchup_ms(batch)
         budget = s.probe_budget * min(s.bin_max, s.bin_base << min(tl.block, 20)) * batch * expected[base] * loss[base]

@@ -334,6 +334,21 @@ def test_kv_budget_makes_the_draft_the_asked_share():
         kv_budget_for_share(0)
 
 
+def test_cli_draft_share_defaults_to_the_shipped_draft(monkeypatch, tmp_path):
+    """--draft-share without --draft-model sizes the budget from the default draft (it crashed)."""
+    from nightjar.bench import cli, compare
+
+    seen = {}
+
+    def stop(cfg, log):
+        seen["budget"] = cfg.kv_budget_bytes
+        raise RuntimeError("stop before starting a stack")
+
+    monkeypatch.setattr(compare, "run_comparison", stop)
+    assert cli.main(["--draft-share", "0.5", "--out", str(tmp_path), "--no-progress"]) == 1
+    assert seen["budget"] == compare.kv_budget_for_share(0.5)
+
+
 def test_markdown_runs_rows_match_the_header():
     recs = [_rec(0, 0.0, 0.5, 2.5, 21)]
     run = {**report.summarize(LoadResult("x", "burst", 0.0, 3.0, recs)), "policy": "nightjar", "loadavg_1m": 3.2,

@@ -63,6 +63,42 @@ def test_turns_speculation_off_past_the_crossover(clients):
     assert switches_per_1000 <= 10, switches_per_1000
 
 
+@pytest.mark.parametrize("clients", [1, 64])
+def test_follows_the_measured_serve_surface(clients):
+    # The serving pair's measured CPU surface (paged attention): speculation pays ~1.9x at batch
+    # 1 and loses past batch 32-64. One client must speculate; 64 must stop.
+    surface = load_table(SURFACES / "cpu_serve.json", max_batch=256)
+    ratio, switches_per_1000, gammas = run(surface, clients)
+    if clients == 1:
+        assert (gammas >= 2).mean() >= 0.9, np.bincount(gammas)
+    else:
+        assert (gammas == 0).mean() >= 0.9, np.bincount(gammas)
+    assert ratio >= 0.97, ratio
+    assert switches_per_1000 <= 10, switches_per_1000
+
+
+@pytest.mark.parametrize("unlucky_steps", [1, 3])
+def test_an_unlucky_start_at_batch_one_does_not_stick_at_gamma_zero(unlucky_steps):
+    # Live at one client, the first steps can run slow (kernels built on first use) with every
+    # draft rejected. γ > 0 then looks dear, γ = 0 best, and at γ = 0 no acceptance is observed
+    # to correct the estimate: before probes valued arms at optimistic acceptance, nightjar
+    # stayed at γ = 0 for good (here: all 500 steps).
+    from nightjar.messages import StepStats
+
+    surface = load_table(SURFACES / "cpu_serve.json", max_batch=256)
+    policy = make_policy("nightjar", gamma_max=4, seed=1)
+    for i in range(unlucky_steps):
+        policy.update(StepStats("w", i, 0, 1, 1, draft_ms=0.5, verify_ms=14.0, step_ms=14.5,
+                                accepted_per_position=(0,), emitted_tokens=1))
+    rec = Recorder(policy)
+    trace, config = closed_loop(1, 60)
+    result = simulate(trace, rec, surface, config)
+    best_static = max(simulate(trace, make_policy(p, gamma_max=4), surface, config).throughput_tps for p in STATIC)
+    gammas = np.array([s.gamma for s in rec.seen])
+    assert (gammas[:500] == 0).mean() < 0.1, np.bincount(gammas[:500])
+    assert result.throughput_tps >= 0.95 * best_static
+
+
 def test_prefill_cost_is_learned_from_mixed_steps_off_the_decode_cells():
     # In a closed loop a new prompt joins when a sequence leaves, so mixed steps run at B - 1
     # and decode steps at B: the prefill cost must still be learned (it stayed 0 before).

@@ -38,13 +38,14 @@ async def test_greedy_through_the_stack_equals_transformers_generate(redis_url):
 
 def test_surface_has_the_crossover_it_claims():
     # Read from the measured file (not timed here): the claimed crossover is where γ = 0 first
-    # wins, or None when it never does (BENCHMARKS.md: on this CPU engine it never does up to
-    # batch 128, per-sequence attention work hides it); speculation pays >= 1.8x at batch 1, and
-    # the best γ falls from batch 1 to the largest batch.
+    # wins, or None when it never does; since the paged attention kernel it is batch 32-64
+    # (BENCHMARKS.md). Speculation pays >= 1.7x at batch 1, the best γ falls from batch 1 to the
+    # largest batch, and γ = 0 wins there.
     s = json.loads(SURFACE.read_text())
     tps, batches = s["tokens_per_s"], s["batch_sizes"]  # [B][γ] tokens/s
     best = [max(range(len(row)), key=row.__getitem__) for row in tps]
     first_zero = next((b for b, g in zip(batches, best) if g == 0), None)
     assert s["crossover_batch_size"] == first_zero
-    assert max(tps[0]) >= 1.8 * tps[0][0] and best[0] >= 2
+    assert max(tps[0]) >= 1.7 * tps[0][0] and best[0] >= 2
     assert best[-1] < best[0] and batches[-1] >= 64
+    assert s["crossover_batch_size"] is not None and best[-1] == 0

@@ -63,7 +63,7 @@ def _build() -> ctypes.CDLL:
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(target))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
+    lib.paged_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                     ctypes.c_float, ctypes.c_int]
     lib.paged_attention.restype = ctypes.c_int
     return lib
@@ -103,9 +103,10 @@ def paged_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables:
     lib = kernel()
     assert lib is not None, "paged_attention called where usable() is False"
     status = lib.paged_attention(q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), tables.data_ptr(),
-                                 tables.numel() // batch, pos.data_ptr(), out.data_ptr(), batch, q_len, h, k, d, bs,
-                                 d ** -0.5, torch.get_num_threads())
+                                 tables.numel() // batch, kc.shape[0], pos.data_ptr(), out.data_ptr(), batch, q_len, h,
+                                 k, d, bs, d ** -0.5, torch.get_num_threads())
     if status:
-        raise (MemoryError("paged attention: out of memory for its score buffer") if status == 1
-               else ValueError(f"paged attention: unsupported head_dim {d}"))
+        raise {1: MemoryError("paged attention: out of memory for its score buffer"),
+               2: ValueError(f"paged attention: unsupported heads {h}/{k} of size {d}"),
+               3: IndexError("paged attention: a position or block id outside the KV pool")}[status]
     return out

@@ -121,3 +121,16 @@ def test_portable_build_is_found_without_a_compiler(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=dict(env, CC=str(tmp_path / "no-such-cc"), PATH="/nonexistent"),
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
+
+
+def test_out_of_pool_addresses_raise_instead_of_reading_past_the_pool():
+    kc = torch.zeros(4, 8, 2, 32)
+    q = torch.zeros(2, 4, 32)
+    ok_tables, ok_pos = torch.tensor([0, 1, 2, 3]), torch.tensor([15, 3])
+    attention.paged_attention(q, kc, kc, ok_tables, ok_pos, 2, 1)
+    with pytest.raises(IndexError):  # block id 9 in a pool of 4
+        attention.paged_attention(q, kc, kc, torch.tensor([0, 9, 2, 3]), ok_pos, 2, 1)
+    with pytest.raises(IndexError):  # position 16 needs a third block of a 2-block table
+        attention.paged_attention(q, kc, kc, ok_tables, torch.tensor([16, 3]), 2, 1)
+    with pytest.raises(IndexError):
+        attention.paged_attention(q, kc, kc, ok_tables, torch.tensor([-1, 3]), 2, 1)

@@ -114,6 +114,10 @@ static void softmax(float *row, int64_t n) {
     for (int64_t t = 0; t < n; t++) row[t] *= inv;
 }
 
+static inline int64_t a_table(const int64_t *tables, int64_t max_blocks, int64_t b, int64_t j) {
+    return tables[b * max_blocks + j];
+}
+
 static void *run_range(void *arg) {
     Args *a = (Args *)arg;
     const int64_t Q = a->Q, H = a->H, K = a->K, d = a->d, bs = a->bs, rep = H / K, R = Q * rep;
@@ -154,12 +158,22 @@ static void *run_range(void *arg) {
 
 /* q: rows b*Q + qi, each q_stride floats apart, holding H heads of d; kc, vc: [num_blocks, bs, K, d];
  * tables: [B, max_blocks]; pos: [B * Q]; out: [B * Q, H * d]. d must be a multiple of 8, at most 256.
- * Returns 0; 1 when out of memory; 2 for an unsupported d. */
+ * Returns 0; 1 when out of memory; 2 for an unsupported d; 3 when a position or block id would
+ * read outside the pool (checked before any read). */
 int paged_attention(const float *q, int64_t q_stride, const float *kc, const float *vc, const int64_t *tables,
-                    int64_t max_blocks, const int64_t *pos, float *out, int64_t B, int64_t Q, int64_t H, int64_t K,
-                    int64_t d, int64_t bs, float scale, int threads) {
+                    int64_t max_blocks, int64_t num_blocks, const int64_t *pos, float *out, int64_t B, int64_t Q,
+                    int64_t H, int64_t K, int64_t d, int64_t bs, float scale, int threads) {
     enum { MAX_THREADS = 64 };
-    if (d % 8 || d > 256) return 2;
+    if (d % 8 || d > 256 || K < 1 || H % K) return 2;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t qi = 0; qi < Q; qi++) {
+            const int64_t p = pos[b * Q + qi];
+            if (p < 0 || p / bs >= max_blocks) return 3;
+            for (int64_t j = 0; j <= p / bs; j++) {
+                const int64_t blk = a_table(tables, max_blocks, b, j);
+                if (blk < 0 || blk >= num_blocks) return 3;
+            }
+        }
     if (threads > B) threads = (int)B;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads < 1) threads = 1;
