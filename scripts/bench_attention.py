@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nightjar import paths  # noqa: E402
-from worker.model import LlamaModel  # noqa: E402
-from worker.runner import ModelRunner, Run  # noqa: E402
+from worker.engine.model import LlamaModel  # noqa: E402
+from worker.engine.runner import ModelRunner, Run  # noqa: E402
 
 
 def step_ms(runner: ModelRunner, runs: list[Run], steps: int = 8) -> float:

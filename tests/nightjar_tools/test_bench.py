@@ -336,7 +336,7 @@ def test_kv_budget_makes_the_draft_the_asked_share():
 
 def test_cli_draft_share_defaults_to_the_shipped_draft(monkeypatch, tmp_path):
     """--draft-share without --draft-model sizes the budget from the default draft (it crashed)."""
-    from nightjar.bench import cli, compare
+    from nightjar_tools.bench import cli, compare
 
     seen = {}
 

@@ -33,7 +33,7 @@ from nightjar import paths
 from nightjar.v1 import inference_pb2 as pb
 from nightjar.v1 import inference_pb2_grpc as pb_grpc
 from tests.stack.conftest import REDIS_PASSWORD, TOKEN, dead_services, hardened_stack, metadata
-from worker import sampler
+from worker.engine import sampler
 
 ROOT = paths.ROOT
 LIMITS = Limits(default_max_tokens=64, max_tokens_limit=1024, max_context_tokens=1024)
