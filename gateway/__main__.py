@@ -35,7 +35,8 @@ def parse_config(argv: list[str]) -> GatewayConfig:
                    help="the engine's real context (nightjar serve computes it; 0 = the checkpoints' own)")
     p.add_argument("--gamma-max", type=int, default=6, help="reported by GetModelInfo")
     p.add_argument("--tokenizer-workers", type=int, default=2, help="threads that tokenize prompts off the event loop")
-    p.add_argument("--auth-token", default=env.auth_token, help="require 'authorization: Bearer TOKEN' (env NIGHTJAR_AUTH_TOKEN)")
+    p.add_argument("--auth-token", default=env.auth_token, help="require 'authorization: Bearer TOKEN'; prefer env NIGHTJAR_AUTH_TOKEN, a command "
+                        "line is visible to every local user")
     p.add_argument("--no-require-worker", action="store_true", help="report SERVING even before a worker heartbeats")
     p.add_argument("--no-direct-dispatch", action="store_true",
                    help="send every job through the scheduler instead of into a leased worker's inbox")
@@ -50,7 +51,7 @@ def parse_config(argv: list[str]) -> GatewayConfig:
             direct_dispatch=not a.no_direct_dispatch, http_port=None if a.no_http else a.http_port,
             chat_template=a.chat_template, served_model_name=a.served_model_name, context_tokens=a.max_context_tokens,
             gamma_max=a.gamma_max, tokenizer_workers=a.tokenizer_workers,
-            metrics_port=a.metrics_port, log_level=a.log_level, log_format=a.log_format,
+            metrics_port=a.metrics_port, metrics_host=a.metrics_host or a.host, log_level=a.log_level, log_format=a.log_format,
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -61,7 +62,7 @@ async def serve(cfg: GatewayConfig) -> int:
     from nightjar import metrics
 
     metrics.use("gateway", cfg.model_name)
-    metrics.serve(cfg.metrics_port)
+    metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host)
     gw = Gateway(cfg)
     await gw.start()
     stop = asyncio.Event()

@@ -41,6 +41,7 @@ class GatewayConfig:
     tokenizer_workers: int = 2  # threads that tokenize prompts (off the event loop)
     context_tokens: int = 0  # the engine's real context (nightjar serve computes it); 0 = the checkpoints' own
     metrics_port: int = 0
+    metrics_host: str = ""  # /metrics interface; "" = where the gateway listens (``host``)
     log_level: str = "INFO"
     log_format: str = "text"  # nightjar.service_util.LOG_FORMATS
 
