@@ -25,6 +25,8 @@ def parse_config(argv: list[str]) -> GatewayConfig:
     p.add_argument("--max-tokens-limit", type=int, default=1024)
     p.add_argument("--default-max-tokens", type=int, default=64)
     p.add_argument("--drain-grace-s", type=float, default=10.0, help="SIGTERM: how long running streams may finish")
+    p.add_argument("--redis-outage-s", type=float, default=GatewayConfig.redis_outage_s,
+                   help="streams in flight wait out Redis errors this long (restart with AOF, failover) before UNAVAILABLE")
     p.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI-compatible HTTP API on this port, same interface as gRPC (0 = any free port)")
     p.add_argument("--no-http", action="store_true", help="serve gRPC only")
@@ -47,7 +49,7 @@ def parse_config(argv: list[str]) -> GatewayConfig:
             host=a.host, port=a.port, redis_url=a.redis_url, key_prefix=a.key_prefix, target_path=a.target,
             draft_path=None if a.no_draft else a.draft, max_queued=a.max_queued, max_streams=a.max_streams,
             max_tokens_limit=a.max_tokens_limit, default_max_tokens=a.default_max_tokens,
-            drain_grace_s=a.drain_grace_s, auth_token=a.auth_token, require_worker=not a.no_require_worker,
+            drain_grace_s=a.drain_grace_s, redis_outage_s=a.redis_outage_s, auth_token=a.auth_token, require_worker=not a.no_require_worker,
             direct_dispatch=not a.no_direct_dispatch, http_port=None if a.no_http else a.http_port,
             chat_template=a.chat_template, served_model_name=a.served_model_name, context_tokens=a.max_context_tokens,
             gamma_max=a.gamma_max, tokenizer_workers=a.tokenizer_workers,

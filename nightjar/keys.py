@@ -64,6 +64,12 @@ class Keys:
     def cancel_channel(self) -> str:
         return f"{self.prefix}:cancels"
 
+    @property
+    def data_mark(self) -> str:
+        """A random id set once (no TTL): a Redis that answers without it lost its data
+        (restarted without persistence), and with it every output stream (gateway.output_reader)."""
+        return f"{self.prefix}:data_mark"
+
     # --- workers ----------------------------------------------------------------
     def heartbeat(self, worker_id: str) -> str:
         """messages.Heartbeat with a TTL: a worker whose key expired is dead."""
