@@ -109,3 +109,27 @@ async def test_a_redis_back_without_its_data_fails_streams_at_once(aof_stack):
     async with AsyncClient(stack.address) as c:
         done = await c.generate(PROMPTS[1], max_tokens=8, ignore_eos=True, deadline_s=120)
     assert len(done.token_ids) == 8
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["queue", "direct"])
+async def test_a_full_redis_refuses_new_requests_unavailable(direct):
+    """compose's Redis has maxmemory with noeviction: when full it refuses writes rather than
+    evicting queue entries. The client gets UNAVAILABLE (retried by the SDK) naming the cause,
+    not INTERNAL."""
+    from gateway.errors import Unavailable
+    from gateway.follower import RequestQueue
+    from nightjar.dispatch_lease import DirectDispatch
+    from nightjar.keys import Keys
+    from nightjar.messages import Job
+    from nightjar.service_util import connect_redis
+
+    with EmbeddedRedis() as server:
+        r = connect_redis(server.url)
+        keys = Keys("full")
+        await r.config_set("maxmemory-policy", "noeviction")
+        await r.config_set("maxmemory", 1)  # already over: every write is refused
+        queue = RequestQueue(r, keys, reader=None, cancel_ttl_s=60,
+                             direct=DirectDispatch(r, keys, 60.0) if direct else None)
+        with pytest.raises(Unavailable, match="full"):
+            await queue.enqueue(Job(request_id="r0", prompt_token_ids=(1, 2), params={"max_tokens": 2}))
+        await r.aclose()
