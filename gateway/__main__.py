@@ -25,6 +25,8 @@ def parse_config(argv: list[str]) -> GatewayConfig:
     p.add_argument("--max-tokens-limit", type=int, default=1024)
     p.add_argument("--default-max-tokens", type=int, default=64)
     p.add_argument("--drain-grace-s", type=float, default=10.0, help="SIGTERM: how long running streams may finish")
+    p.add_argument("--redis-outage-s", type=float, default=GatewayConfig.redis_outage_s,
+                   help="streams in flight wait out Redis errors this long (restart with AOF, failover) before UNAVAILABLE")
     p.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI-compatible HTTP API on this port, same interface as gRPC (0 = any free port)")
     p.add_argument("--no-http", action="store_true", help="serve gRPC only")
@@ -35,7 +37,8 @@ def parse_config(argv: list[str]) -> GatewayConfig:
                    help="the engine's real context (nightjar serve computes it; 0 = the checkpoints' own)")
     p.add_argument("--gamma-max", type=int, default=6, help="reported by GetModelInfo")
     p.add_argument("--tokenizer-workers", type=int, default=2, help="threads that tokenize prompts off the event loop")
-    p.add_argument("--auth-token", default=env.auth_token, help="require 'authorization: Bearer TOKEN' (env NIGHTJAR_AUTH_TOKEN)")
+    p.add_argument("--auth-token", default=env.auth_token, help="require 'authorization: Bearer TOKEN'; prefer env NIGHTJAR_AUTH_TOKEN, a command "
+                        "line is visible to every local user")
     p.add_argument("--no-require-worker", action="store_true", help="report SERVING even before a worker heartbeats")
     p.add_argument("--no-direct-dispatch", action="store_true",
                    help="send every job through the scheduler instead of into a leased worker's inbox")
@@ -46,11 +49,11 @@ def parse_config(argv: list[str]) -> GatewayConfig:
             host=a.host, port=a.port, redis_url=a.redis_url, key_prefix=a.key_prefix, target_path=a.target,
             draft_path=None if a.no_draft else a.draft, max_queued=a.max_queued, max_streams=a.max_streams,
             max_tokens_limit=a.max_tokens_limit, default_max_tokens=a.default_max_tokens,
-            drain_grace_s=a.drain_grace_s, auth_token=a.auth_token, require_worker=not a.no_require_worker,
+            drain_grace_s=a.drain_grace_s, redis_outage_s=a.redis_outage_s, auth_token=a.auth_token, require_worker=not a.no_require_worker,
             direct_dispatch=not a.no_direct_dispatch, http_port=None if a.no_http else a.http_port,
             chat_template=a.chat_template, served_model_name=a.served_model_name, context_tokens=a.max_context_tokens,
             gamma_max=a.gamma_max, tokenizer_workers=a.tokenizer_workers,
-            metrics_port=a.metrics_port, log_level=a.log_level, log_format=a.log_format,
+            metrics_port=a.metrics_port, metrics_host=a.metrics_host or a.host, log_level=a.log_level, log_format=a.log_format,
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -61,7 +64,7 @@ async def serve(cfg: GatewayConfig) -> int:
     from nightjar import metrics
 
     metrics.use("gateway", cfg.model_name)
-    metrics.serve(cfg.metrics_port)
+    metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host)
     gw = Gateway(cfg)
     await gw.start()
     stop = asyncio.Event()

@@ -31,6 +31,9 @@ class GatewayConfig:
     cancel_ttl_s: float = 600.0  # a cancel marker lives this long (covers re-dispatch)
     redis_timeout_s: float = 1.0  # connect timeout: UNAVAILABLE comes this fast when Redis is down
     read_block_ms: int = 1000  # XREAD BLOCK per call while following an output stream
+    # Streams in flight wait out Redis errors this long (a restart with AOF, a failover), within
+    # their own deadlines; a Redis that comes back without its data fails them at once.
+    redis_outage_s: float = 10.0
     health_interval_s: float = 0.25  # how often Redis and worker liveness are polled
     require_worker: bool = True  # health is SERVING only once a worker heartbeats
     direct_dispatch: bool = True  # put jobs into a worker's inbox under the scheduler's lease (nightjar.dispatch_lease)
@@ -41,6 +44,7 @@ class GatewayConfig:
     tokenizer_workers: int = 2  # threads that tokenize prompts (off the event loop)
     context_tokens: int = 0  # the engine's real context (nightjar serve computes it); 0 = the checkpoints' own
     metrics_port: int = 0
+    metrics_host: str = ""  # /metrics interface; "" = where the gateway listens (``host``)
     log_level: str = "INFO"
     log_format: str = "text"  # nightjar.service_util.LOG_FORMATS
 
@@ -63,7 +67,7 @@ class GatewayConfig:
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
         for name in ("drain_grace_s", "output_ttl_s", "cancel_ttl_s", "redis_timeout_s", "health_interval_s",
-                     "assignment_ttl_s"):
+                     "assignment_ttl_s", "redis_outage_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not self.key_prefix or ":" in self.key_prefix:

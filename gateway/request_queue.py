@@ -7,7 +7,9 @@ import logging
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
+from redis.exceptions import OutOfMemoryError, ResponseError
 
+from gateway.errors import Unavailable
 from gateway.output_reader import OutputReader
 from nightjar import metrics as m
 from nightjar.dispatch_lease import DirectDispatch
@@ -35,12 +37,18 @@ class RequestQueue:
         enforced at admission and the scheduler deletes each entry once it is dispatched.
         Shielded: see gateway/output_reader.py for why a handler never awaits redis-py directly."""
         raw = job.encode()
-        if self._direct is None:
-            await asyncio.shield(self._redis.xadd(self._keys.requests, {b"job": raw}))
-            path = "queued"
-        else:
-            worker = await asyncio.shield(self._direct.enqueue(job.request_id, raw, job.enqueued_unix_ms))
-            path = "queued" if worker is None else "direct"
+        try:
+            if self._direct is None:
+                await asyncio.shield(self._redis.xadd(self._keys.requests, {b"job": raw}))
+                path = "queued"
+            else:
+                worker = await asyncio.shield(self._direct.enqueue(job.request_id, raw, job.enqueued_unix_ms))
+                path = "queued" if worker is None else "direct"
+        except ResponseError as exc:  # maxmemory with noeviction: Redis refuses writes rather than evict queues
+            if not isinstance(exc, OutOfMemoryError) and "OOM" not in str(exc):
+                raise
+            log.error("Redis is full, a request was refused: %s", exc)
+            raise Unavailable("the request queue (Redis) is full (maxmemory); retry shortly") from None
         m.DISPATCHES.labels(path=path).inc()
 
     async def outputs(self, request_id: str) -> AsyncIterator[list[OutputChunk]]:

@@ -63,7 +63,8 @@ class Gateway:
         self._reader_redis = aioredis.Redis.from_url(cfg.redis_url, single_connection_client=True,
                                                      socket_connect_timeout=cfg.redis_timeout_s,
                                                      socket_timeout=cfg.read_block_ms / 1000 + 5.0)
-        self.reader = OutputReader(self._redis, self._reader_redis, cfg.read_block_ms)
+        self.reader = OutputReader(self._redis, self._reader_redis, cfg.read_block_ms,
+                                   data_mark_key=self.keys.data_mark, retry_s=cfg.redis_outage_s)
         direct = DirectDispatch(self._redis, self.keys, cfg.assignment_ttl_s) if cfg.direct_dispatch else None
         self.queue = RequestQueue(self._redis, self.keys, self.reader, cancel_ttl_s=cfg.cancel_ttl_s, direct=direct)
         self.inference = Inference(cfg, self._tokenizer, self.queue, self.table)

@@ -20,9 +20,14 @@ TTL. The gateway's enqueue is one script that
   the worker's assignment set), so re-dispatch after a worker dies, cancels and the worker's
   bookkeeping treat a leased job exactly like a scheduled one.
 
-The script names per-worker keys it builds from the prefixes it is given: fine on one Redis
-(and on Redis 6.2, which the embedded server is), not on Redis Cluster, where the scheduler's
-multi-key MULTI would not work either.
+Every key the script touches is declared in KEYS, as Redis Cluster requires: the gateway
+passes the heartbeat, assignment set and inbox of each worker it last saw in the table, and a
+table that names another worker makes the script write nothing and return the table's
+workers, so the next call declares them (one extra round trip per change of the worker set).
+On Cluster all of them must also share one slot: a stack's key prefix is then a hash tag
+(``{nj}``, nightjar.keys), which is what the scheduler's MULTI blocks, the worker's output
+script and the gateway's one XREAD over many output streams need too (docs/reliability.md,
+"Redis Cluster").
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ from nightjar.messages import Heartbeat
 
 ASSIGNMENT_TTL_S = 24 * 3600.0  # a leaked assignment record disappears after this (scheduler and gateway)
 
-# KEYS: requests stream, lease table, the job's assignment hash.
-# ARGV: job bytes, request id, now (unix ms), assignment TTL (ms), then the key prefixes of a
-# worker's inbox, assignment set and heartbeat. Returns the worker's id, or nil if queued.
+# KEYS: requests stream, lease table, the job's assignment hash, then for each declared worker
+# its heartbeat, assignment set and inbox. ARGV: job bytes, request id, now (unix ms),
+# assignment TTL (ms), then the declared workers' ids, in the order of their KEYS. Returns the
+# worker's id, nil if queued, or the lease table's workers when it names one not declared
+# (then nothing was written: the caller declares them and calls again).
 _ENQUEUE = """
 local function queue()
   redis.call('XADD', KEYS[1], '*', 'job', ARGV[1])
@@ -42,28 +49,37 @@ local function queue()
 end
 if redis.call('XLEN', KEYS[1]) > 0 then return queue() end
 local leases = redis.call('HGETALL', KEYS[2])
-local best, best_free, best_kv
+local declared = {}  -- worker id -> index of its heartbeat in KEYS
+for i = 5, #ARGV do declared[ARGV[i]] = 4 + 3 * (i - 5) end
 for i = 1, #leases, 2 do
-  local worker = leases[i]
+  if not declared[leases[i]] then
+    local names = {}
+    for j = 1, #leases, 2 do names[#names + 1] = leases[j] end
+    return names
+  end
+end
+local best, best_free, best_kv, best_k
+for i = 1, #leases, 2 do
+  local worker, k = leases[i], declared[leases[i]]
   local max_running, kv_free, kv_total = string.match(leases[i + 1], '^(%d+) (%d+) (%d+)$')
-  local hb = max_running and redis.call('GET', ARGV[7] .. worker)
+  local hb = max_running and redis.call('GET', KEYS[k])
   local ok, beat = false, nil
   if hb then ok, beat = pcall(cmsgpack.unpack, hb) end
   if ok and type(beat) == 'table' and beat.draining ~= true then
     max_running, kv_free, kv_total = tonumber(max_running), tonumber(kv_free), tonumber(kv_total)
-    local slots = (max_running - redis.call('SCARD', ARGV[6] .. worker)) / math.max(1, max_running)
+    local slots = (max_running - redis.call('SCARD', KEYS[k + 1])) / math.max(1, max_running)
     local free = math.min(slots, kv_free / math.max(1, kv_total))
     if best == nil or free > best_free or (free == best_free and (kv_free > best_kv
         or (kv_free == best_kv and worker > best))) then
-      best, best_free, best_kv = worker, free, kv_free
+      best, best_free, best_kv, best_k = worker, free, kv_free, k
     end
   end
 end
 if best == nil then return queue() end
-redis.call('XADD', ARGV[5] .. best, '*', 'job', ARGV[1])
+redis.call('XADD', KEYS[best_k + 2], '*', 'job', ARGV[1])
 redis.call('HSET', KEYS[3], 'worker', best, 'job', ARGV[1], 'assigned_unix_ms', ARGV[3])
 redis.call('PEXPIRE', KEYS[3], ARGV[4])
-redis.call('SADD', ARGV[6] .. best, ARGV[2])
+redis.call('SADD', KEYS[best_k + 1], ARGV[2])
 return best
 """
 
@@ -77,14 +93,22 @@ class DirectDispatch:
     """The gateway's enqueue: one script call that leases a worker or queues the job."""
 
     def __init__(self, redis, keys: Keys, assignment_ttl_s: float) -> None:
+        self._redis = redis
         self._script = redis.register_script(_ENQUEUE)  # EVALSHA, re-sent with EVAL after a Redis restart
         self._keys = keys
-        self._prefixes = (keys.inbox(""), keys.worker_assignments(""), keys.heartbeat(""))
+        self._workers: tuple[str, ...] = ()  # the lease table's workers when last seen: their keys are declared
         self._assignment_ttl_ms = int(assignment_ttl_s * 1000)
 
     async def enqueue(self, request_id: str, job: bytes, now_ms: int) -> str | None:
         """The worker the job went to directly, or None when it went on the requests stream."""
         k = self._keys
-        worker = await self._script(keys=[k.requests, k.leases, k.assignment(request_id)],
-                                    args=[job, request_id, now_ms, self._assignment_ttl_ms, *self._prefixes])
-        return worker.decode() if isinstance(worker, bytes) else worker
+        for _ in range(3):  # a changed table costs one more call; three changes in a row: queue it
+            workers = self._workers
+            per_worker = [key for w in workers for key in (k.heartbeat(w), k.worker_assignments(w), k.inbox(w))]
+            reply = await self._script(keys=[k.requests, k.leases, k.assignment(request_id), *per_worker],
+                                       args=[job, request_id, now_ms, self._assignment_ttl_ms, *workers])
+            if not isinstance(reply, list):
+                return reply.decode() if isinstance(reply, bytes) else reply
+            self._workers = tuple(w.decode() if isinstance(w, bytes) else w for w in reply)
+        await self._redis.xadd(k.requests, {b"job": job})
+        return None

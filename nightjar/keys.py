@@ -2,16 +2,34 @@
 
 All names share the ``prefix`` (default ``nj``) so that several stacks can share one
 Redis and a test can wipe exactly its own keys with ``SCAN MATCH {prefix}:*``.
+
+A prefix that is a Redis Cluster hash tag, ``{nj}``, puts every key of the stack in one slot:
+Cluster refuses a script, MULTI block or XREAD whose keys span slots, and Nightjar's span a
+request, a worker and the queue at once (docs/reliability.md, "Redis Cluster").
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+_HASH_TAG = re.compile(r"\{([^{}]+)\}")
 
 
 @dataclass(frozen=True)
 class Keys:
     prefix: str = "nj"
+
+    def __post_init__(self) -> None:
+        if ("{" in self.prefix or "}" in self.prefix) and not _HASH_TAG.fullmatch(self.prefix):
+            raise ValueError(f"key prefix {self.prefix!r}: braces make a Redis Cluster hash tag, and then the whole "
+                             "prefix must be one, like '{nj}'")
+
+    @property
+    def slot_tag(self) -> str | None:
+        """The hash tag every key shares (one Cluster slot), or None when the prefix has none."""
+        m = _HASH_TAG.fullmatch(self.prefix)
+        return m.group(1) if m else None
 
     # --- request queue (gateway -> scheduler) ---------------------------------
     @property
@@ -63,6 +81,12 @@ class Keys:
     @property
     def cancel_channel(self) -> str:
         return f"{self.prefix}:cancels"
+
+    @property
+    def data_mark(self) -> str:
+        """A random id set once (no TTL): a Redis that answers without it lost its data
+        (restarted without persistence), and with it every output stream (gateway.output_reader)."""
+        return f"{self.prefix}:data_mark"
 
     # --- workers ----------------------------------------------------------------
     def heartbeat(self, worker_id: str) -> str:

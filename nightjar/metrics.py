@@ -158,8 +158,10 @@ _server_lock = threading.Lock()
 _server_port: int | None = None
 
 
-def serve(port: int, addr: str = "0.0.0.0") -> None:
-    """Start the /metrics HTTP endpoint for this process (``port`` 0 = off; idempotent per port).
+def serve(port: int, addr: str = "127.0.0.1") -> None:
+    """Start the /metrics HTTP endpoint for this process on ``addr`` (``port`` 0 = off; idempotent
+    per port). Loopback unless told: the services pass the gateway's interface, or what
+    ``--metrics-host`` / NIGHTJAR_METRICS_HOST says (compose: every interface of the container).
 
     A second call with another port is refused: one process has one registry and one endpoint.
     """

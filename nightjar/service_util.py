@@ -28,17 +28,19 @@ MAX_REDIS_CONNECTIONS = 4096  # per client (process); see connect_redis
 class EnvDefaults:
     """Settings that every service can take from the environment (compose.yaml sets them)."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = "redis://127.0.0.1:6379/0"  # holds the password: pass it here, not as --redis-url
     key_prefix: str = "nj"
     log_level: str = "INFO"
     log_format: str = "text"  # "text" for people, "json" (one object a line) for log collectors
     metrics_port: int = 0  # 0 = no /metrics endpoint
+    metrics_host: str = ""  # interface of /metrics; "" = the service's default (the gateway's --host, else loopback)
     auth_token: str = ""  # gateway bearer token; empty = auth off
 
 
 def env_defaults(environ: Mapping[str, str] | None = None) -> EnvDefaults:
     """Read NIGHTJAR_REDIS_URL, NIGHTJAR_KEY_PREFIX, NIGHTJAR_LOG_LEVEL, NIGHTJAR_LOG_FORMAT,
-    NIGHTJAR_METRICS_PORT, NIGHTJAR_AUTH_TOKEN. Command-line flags override these."""
+    NIGHTJAR_METRICS_PORT, NIGHTJAR_METRICS_HOST, NIGHTJAR_AUTH_TOKEN. Command-line flags override
+    these; secrets (the URL's password, the token) belong here rather than on a command line."""
     env = os.environ if environ is None else environ
     base = EnvDefaults()
     port = env.get(ENV_PREFIX + "METRICS_PORT", str(base.metrics_port))
@@ -52,6 +54,7 @@ def env_defaults(environ: Mapping[str, str] | None = None) -> EnvDefaults:
         log_level=env.get(ENV_PREFIX + "LOG_LEVEL", base.log_level),
         log_format=env.get(ENV_PREFIX + "LOG_FORMAT", base.log_format),
         metrics_port=metrics_port,
+        metrics_host=env.get(ENV_PREFIX + "METRICS_HOST", base.metrics_host),
         auth_token=env.get(ENV_PREFIX + "AUTH_TOKEN", base.auth_token),
     )
 
@@ -60,6 +63,15 @@ def check_redis_url(url: str) -> str:
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"redis url must start with redis://, rediss:// (TLS) or unix://, got {url!r}")
     return url
+
+
+def masked(url: str) -> str:
+    """The URL with any password replaced, fit for a log line or an error message."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in creds:
+        return url
+    return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
 
 
 def connect_redis(url: str, *, timeout_s: float = 1.0, block_margin_s: float = 5.0) -> aioredis.Redis:
@@ -179,12 +191,17 @@ def service_main(name: Callable[[Any], str] | str, parse_config: Callable[[list[
 
 def add_common_args(parser, env: EnvDefaults) -> None:
     """The flags every service takes; their defaults come from the environment."""
-    parser.add_argument("--redis-url", default=env.redis_url, help="redis:// or rediss:// (TLS) URL, password inside (env NIGHTJAR_REDIS_URL)")
+    parser.add_argument("--redis-url", default=env.redis_url,
+                        help="redis:// or rediss:// (TLS) URL, password inside: pass it as env NIGHTJAR_REDIS_URL, "
+                             "since a command line is visible to every local user")
     parser.add_argument("--key-prefix", default=env.key_prefix, help="prefix of every Redis key (env NIGHTJAR_KEY_PREFIX)")
     parser.add_argument("--log-level", default=env.log_level, help="DEBUG, INFO, WARNING (env NIGHTJAR_LOG_LEVEL)")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default=env.log_format,
                         help="text, or json for one object a line (env NIGHTJAR_LOG_FORMAT)")
     parser.add_argument("--metrics-port", type=int, default=env.metrics_port, help="Prometheus /metrics port, 0 = off (env NIGHTJAR_METRICS_PORT)")
+    parser.add_argument("--metrics-host", default=env.metrics_host or None,
+                        help="interface of /metrics (env NIGHTJAR_METRICS_HOST; default: the gateway's --host, "
+                             "127.0.0.1 for the other services)")
 
 
 async def run_redis_loop(name: str, cfg, make_service: Callable[[aioredis.Redis], object]) -> int:
@@ -199,7 +216,7 @@ async def run_redis_loop(name: str, cfg, make_service: Callable[[aioredis.Redis]
 
     log = logging.getLogger(name)
     metrics.use(name)
-    metrics.serve(cfg.metrics_port)
+    metrics.serve(cfg.metrics_port, cfg.metrics_host)
     redis = connect_redis(cfg.redis_url, block_margin_s=cfg.read_block_ms / 1000 + 5.0)
     stop = asyncio.Event()
     install_stop_handlers(asyncio.get_running_loop(), lambda _sig: stop.set())

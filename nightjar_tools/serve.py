@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from nightjar import paths
+from nightjar.service_util import env_defaults, masked
 from nightjar_tools.model_check import check
 from nightjar_tools.model_ref import resolve
-from nightjar.service_util import env_defaults
 from nightjar_tools.stack import Stack, StackConfig
 
 
@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, TimeoutError) as exc:
         print(f"nightjar: the stack did not start: {exc}", file=sys.stderr)
         return 1
-    redis_note = "embedded Redis" if cfg.redis_url is None else cfg.redis_url
-    print(f"nightjar: ready on {stack.address} ({redis_note} at {stack.redis_url}); Ctrl-C stops", file=sys.stderr)
+    redis_note = "embedded Redis, password-protected" if cfg.redis_url is None else "Redis"
+    print(f"nightjar: ready on {stack.address} ({redis_note} at {masked(stack.redis_url)}); Ctrl-C stops", file=sys.stderr)
     if stack.http_url:
         print(f"nightjar: OpenAI API on {stack.http_url} (context {cfg.context_tokens} tokens)", file=sys.stderr)
     if cfg.metrics_port:

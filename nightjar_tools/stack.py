@@ -3,12 +3,15 @@
 Used by ``nightjar serve``, ``nightjar demo``, the pipeline tests and the pipeline benchmark.
 Every service is its own process (``python -m nightjar_tools.cli <service> ...``), so a test can
 SIGKILL one worker and watch the rest recover. Redis is the embedded redis-server unless a
-URL is given.
+URL is given; the embedded one gets a random password. Secrets (the Redis URL, which holds
+the password, and the gateway's token) reach the services in their environment, never on
+their command lines, which every local user can read (/proc/PID/cmdline, ``ps``).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -110,6 +113,7 @@ class Service:
     log_path: Path
     proc: subprocess.Popen | None = None
     metrics_port: int = 0  # its /metrics port (0 = none)
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # its environment: holds the secrets
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -154,7 +158,7 @@ class Stack:
             self._tmp = tempfile.TemporaryDirectory(prefix="nightjar-stack-")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if cfg.redis_url is None:
-            self.redis = EmbeddedRedis(launcher=tuple(niced(cfg.io_nice))).start()
+            self.redis = EmbeddedRedis(password=secrets.token_hex(16), launcher=tuple(niced(cfg.io_nice))).start()
             self.redis_url = self.redis.url
         else:
             self.redis_url = cfg.redis_url
@@ -235,12 +239,13 @@ class Stack:
     def _spawn(self, name: str, args: list[str]) -> Service:
         n = sum(s.name == name for s in self.services)
         log_path = self.log_dir / f"{name}-{n}.log"
-        full = [*args, "--redis-url", self.redis_url, "--key-prefix", self.cfg.key_prefix, "--log-level", self.cfg.log_level,
-                "--log-format", self.cfg.log_format]
+        full = [*args, "--key-prefix", self.cfg.key_prefix, "--log-level", self.cfg.log_level,
+                "--log-format", self.cfg.log_format, "--metrics-host", self.cfg.host]
         metrics_port = metrics_port_of(self.cfg.metrics_port, name, n) if self.cfg.metrics_port else 0
         if metrics_port:
             full += ["--metrics-port", str(metrics_port)]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+               "NIGHTJAR_REDIS_URL": self.redis_url}  # the password is in the URL: environment, not argv
         env.pop("NIGHTJAR_METRICS_PORT", None)  # the same port for every service would stop all but one
         if name == "gateway" and self.cfg.api_key:
             env["NIGHTJAR_AUTH_TOKEN"] = self.cfg.api_key
@@ -248,7 +253,7 @@ class Stack:
             proc = subprocess.Popen([*niced(0 if name == "worker" else self.cfg.io_nice), sys.executable, "-m", "nightjar_tools.cli", name, *full],
                                     stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, cwd=str(paths.ROOT))
-        svc = Service(name, full, log_path, proc, metrics_port)
+        svc = Service(name, full, log_path, proc, metrics_port, env)
         self.services.append(svc)
         return svc
 

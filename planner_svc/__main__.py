@@ -30,6 +30,7 @@ def parse_config(argv: list[str]) -> PlannerConfig:
         buckets = tuple(int(x) for x in a.buckets.split(",") if x.strip())
         return PlannerConfig(redis_url=a.redis_url, key_prefix=a.key_prefix, policy=a.policy, gamma_max=a.gamma_max,
                              ttl_s=a.ttl_s, seed=a.seed, buckets=buckets, metrics_port=a.metrics_port,
+                             metrics_host=a.metrics_host or "127.0.0.1",
                              log_level=a.log_level, log_format=a.log_format, prior_surface=a.prior_surface, **extra)
     except ValueError as exc:
         p.error(str(exc))

@@ -31,6 +31,7 @@ class PlannerConfig:
     read_block_ms: int = 200  # XREADGROUP BLOCK; also how often a stop request is noticed
     save_interval_s: float = 5.0  # state snapshot to Redis at least this often while learning
     metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"  # /metrics interface: loopback unless told (compose: the container's network)
     log_level: str = "INFO"
     log_format: str = "text"  # nightjar.service_util.LOG_FORMATS
     # An offline cost surface (scripts/bench_speculation.py's JSON) to warm-start a model-based

@@ -24,7 +24,8 @@ def parse_config(argv: list[str]) -> SchedulerConfig:
     try:
         return SchedulerConfig(redis_url=a.redis_url, key_prefix=a.key_prefix, max_deliveries=a.max_deliveries,
                                max_attempts=a.max_attempts, claim_idle_ms=a.claim_idle_ms, stall_s=a.stall_s,
-                               metrics_port=a.metrics_port, log_level=a.log_level, log_format=a.log_format, **extra)
+                               metrics_port=a.metrics_port, metrics_host=a.metrics_host or "127.0.0.1",
+                               log_level=a.log_level, log_format=a.log_format, **extra)
     except ValueError as exc:
         p.error(str(exc))
 

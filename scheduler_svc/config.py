@@ -36,6 +36,7 @@ class SchedulerConfig:
     # dispatch; its jobs re-dispatched). Above any single step: a long prefill on a CPU is seconds.
     stall_s: float = 10.0
     metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"  # /metrics interface: loopback unless told (compose: the container's network)
     log_level: str = "INFO"
     log_format: str = "text"  # nightjar.service_util.LOG_FORMATS
 

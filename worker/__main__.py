@@ -45,7 +45,7 @@ def parse_config(argv: list[str]) -> WorkerServiceConfig:
             kv_budget_bytes=a.kv_budget_bytes, max_running=a.max_running, max_model_len=a.max_model_len, gamma_max=a.gamma_max,
             default_gamma=a.default_gamma, policy_ttl_s=a.policy_ttl_s, num_threads=a.threads, engine_process=a.engine_process,
             drain_grace_s=a.drain_grace_s,
-            metrics_port=a.metrics_port, log_level=a.log_level, log_format=a.log_format,
+            metrics_port=a.metrics_port, metrics_host=a.metrics_host or "127.0.0.1", log_level=a.log_level, log_format=a.log_format,
             served_model_name=a.served_model_name, **extra)
     except ValueError as exc:
         p.error(str(exc))
@@ -56,7 +56,7 @@ async def serve(cfg: WorkerServiceConfig) -> int:
     from worker.service.loops import WorkerService
 
     metrics.use("worker", cfg.model_name)
-    metrics.serve(cfg.metrics_port)
+    metrics.serve(cfg.metrics_port, cfg.metrics_host)
     redis = connect_redis(cfg.redis_url, block_margin_s=6.0)
     stop = asyncio.Event()
     install_stop_handlers(asyncio.get_running_loop(), lambda _sig: stop.set())

@@ -76,6 +76,8 @@ GOALS = (
     ("mean e2e latency vs fixed-γ (dynamic)", "dynamic", "fixed", "e2e_mean", "le", 0.80),
     ("throughput vs threshold (dynamic)", "dynamic", "threshold", "tokens_per_s", "ge", 1.05),
     ("throughput vs table (dynamic)", "dynamic", "table", "tokens_per_s", "ge", 1.05),
+    ("throughput vs ema (dynamic)", "dynamic", "ema", "tokens_per_s", "ge", 1.05),
+    ("throughput vs heuristic (dynamic)", "dynamic", "heuristic", "tokens_per_s", "ge", 1.05),
     ("throughput vs fixed-γ (steady low)", "low", "fixed", "tokens_per_s", "ge", 0.95),
     ("mean e2e latency vs fixed-γ (steady low)", "low", "fixed", "e2e_mean", "le", 1 / 0.95),
     ("throughput vs off (steady overload)", "overload", "off", "tokens_per_s", "ge", 0.97),

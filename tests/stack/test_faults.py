@@ -182,7 +182,7 @@ async def test_redis_restart_unavailable_quickly_then_serves_again(stack, refere
                 await c.generate(PROMPTS[1], max_tokens=2, deadline_s=20)
             assert time.monotonic() - t0 < 2.5, "UNAVAILABLE must come fast, not after a timeout"
         assert not dead_services(stack), "no service may exit because Redis went away"
-        stack.redis = EmbeddedRedis(port=port).start()  # empty: nothing was persisted
+        stack.redis = EmbeddedRedis(port=port, password=stack.redis.password).start()  # empty: nothing was persisted
     async with AsyncClient(stack.address, retry=PATIENT) as c:
         results = await asyncio.gather(*(c.generate(p, max_tokens=N_TOKENS, ignore_eos=True, deadline_s=120)
                                          for p in PROMPTS))

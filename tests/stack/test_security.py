@@ -5,7 +5,9 @@ a few hundred through the real gRPC server)."""
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
 import re
 from pathlib import Path
 
@@ -32,7 +34,7 @@ from gateway.validation import (
 from nightjar import paths
 from nightjar.v1 import inference_pb2 as pb
 from nightjar.v1 import inference_pb2_grpc as pb_grpc
-from tests.stack.conftest import REDIS_PASSWORD, TOKEN, dead_services, hardened_stack, metadata
+from tests.stack.conftest import REDIS_PASSWORD, TOKEN, command_lines_under, dead_services, hardened_stack, metadata
 from worker.engine import sampler
 
 ROOT = paths.ROOT
@@ -147,7 +149,55 @@ def test_the_stack_runs_against_a_password_protected_redis():
     anonymous.close()
     assert {s.name for s in stack.services} >= {"gateway", "scheduler", "planner", "worker"}
     assert not dead_services(stack)
-    assert all(REDIS_PASSWORD in " ".join(s.args) for s in stack.services)
+    assert all(REDIS_PASSWORD in s.env["NIGHTJAR_REDIS_URL"] for s in stack.services)
+
+
+def test_no_secret_on_any_child_command_line():
+    """The Redis password and the bearer token reach every child (services, their own children,
+    redis-server) through the environment or a file: never argv, which any local user reads in
+    /proc/PID/cmdline and `ps`."""
+    stack = hardened_stack()
+    lines = command_lines_under(os.getpid())
+    assert {s.proc.pid for s in stack.services} <= set(lines), "the walk must see every service"
+    assert any("redis-server" in line for line in lines.values()), "and the password-protected redis-server"
+    leaks = {pid: line for pid, line in lines.items() if TOKEN in line or REDIS_PASSWORD in line}
+    assert not leaks, leaks
+
+
+def test_metrics_bind_where_the_gateway_binds(monkeypatch, tmp_path):
+    """/metrics follows the gateway's interface (loopback stays loopback); the other services
+    bind loopback unless told (compose tells them: the container's network)."""
+    from gateway.__main__ import parse_config as gateway
+    from nightjar import metrics
+    from nightjar_tools.stack import Stack, StackConfig
+
+    monkeypatch.delenv("NIGHTJAR_METRICS_HOST", raising=False)
+    assert gateway([]).metrics_host == "127.0.0.1"
+    assert gateway(["--host", "0.0.0.0"]).metrics_host == "0.0.0.0"
+    assert gateway(["--host", "127.0.0.1", "--metrics-host", "10.0.0.5"]).metrics_host == "10.0.0.5"
+    for name, cfg in _configs("redis://h:1/0").items():
+        assert cfg.metrics_host == "127.0.0.1", name
+    monkeypatch.setenv("NIGHTJAR_METRICS_HOST", "0.0.0.0")
+    assert all(cfg.metrics_host == "0.0.0.0" for cfg in _configs("redis://h:1/0").values())
+    assert inspect.signature(metrics.serve).parameters["addr"].default == "127.0.0.1"
+    # nightjar serve: every service's /metrics on the gateway's --host
+    stack = Stack(StackConfig(host="127.0.0.1", metrics_port=9400, redis_url="redis://h:1/0", log_dir=tmp_path))
+    spawned = []
+    monkeypatch.setattr("subprocess.Popen", lambda argv, **kw: spawned.append(argv))
+    stack.redis_url = "redis://h:1/0"
+    for name in ("scheduler", "worker", "gateway"):
+        stack._spawn(name, [])
+    assert all(argv[argv.index("--metrics-host") + 1] == "127.0.0.1" for argv in spawned)
+
+
+def test_a_redis_password_never_reaches_redis_server_argv():
+    from nightjar_tools.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis(password="pw-only-in-a-file") as server:
+        assert "pw-only-in-a-file" not in Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().decode()
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=server.port, socket_timeout=5).ping()
+        assert redis.Redis.from_url(server.url, socket_timeout=5).ping()
 
 
 # --------------------------------------------------------------------------- fuzz

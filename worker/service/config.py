@@ -46,6 +46,7 @@ class WorkerServiceConfig:
     read_count: int = 64  # inbox entries per XREADGROUP
     drain_grace_s: float = 30.0  # SIGTERM: running requests may finish for this long
     metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"  # /metrics interface: loopback unless told (compose: the container's network)
     log_level: str = "INFO"
     log_format: str = "text"  # nightjar.service_util.LOG_FORMATS
     served_model_name: str = ""  # the gateway's name for the model; "" = the target folder's name

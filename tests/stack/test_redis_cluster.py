@@ -1,0 +1,200 @@
+"""Redis Cluster (issue 21): every key a script or transaction touches is declared and in one slot.
+
+Cluster routes a command by its keys and refuses one whose keys live in different slots. The
+lease script (nightjar.dispatch_lease) named per-worker keys it built inside the script; the
+worker's output script and the gateway's one XREAD cover many requests' streams at once; the
+scheduler's MULTI blocks touch a request's assignment and a worker's inbox together. So a
+stack's keys must share one slot: a key prefix that is a hash tag (``{nj}``) puts them there,
+and the scripts declare every key in KEYS.
+
+A real cluster: three local ``redis-server --cluster-enabled yes`` nodes joined by
+``redis-cli --cluster create``. The lease script runs on it through redis-py's cluster client;
+a whole stack cannot (its services use single-node clients: docs/reliability.md, "Redis
+Cluster"), so the stack runs on one Redis with a tagged prefix and the cluster's own
+``CLUSTER KEYSLOT`` proves that every key it made, mid-request, hashes to one slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+from nightjar import dispatch_lease
+from nightjar.dispatch_lease import DirectDispatch, lease_entry
+from nightjar.keys import Keys
+from nightjar.messages import Heartbeat, Job
+from nightjar.service_util import now_ms
+from nightjar_client import AsyncClient
+from nightjar_tools.redis_server import free_port, redis_server_binary
+from nightjar_tools.stack import Stack, StackConfig
+from tests.conftest import pair
+from worker.service import redis_ops
+
+SCRIPTS = {"lease": dispatch_lease._ENQUEUE, "write outputs": redis_ops._WRITE_OUTPUTS,
+           "release assignment": redis_ops.RELEASE_ASSIGNMENT}
+
+
+def test_every_key_a_script_touches_comes_from_keys():
+    """Cluster (and Redis 7's script flags) require declared keys: no script may build a key
+    name from ARGV or from a value it read."""
+    for name, source in SCRIPTS.items():
+        calls = re.findall(r"redis\.call\('(\w+)',\s*([^,)]+)", source)
+        assert calls, name
+        built = [(cmd, key) for cmd, key in calls if not re.fullmatch(r"KEYS\[[^\]]+\]", key.strip())]
+        assert not built, f"{name}: keys not taken from KEYS: {built}"
+
+
+def test_a_hash_tag_prefix_is_accepted_and_a_broken_one_refused():
+    assert Keys("{nj}").slot_tag == "nj" and Keys("nj").slot_tag is None
+    assert Keys("{nj}").inbox("w1") == "{nj}:inbox:w1"
+    for bad in ("{}", "{nj", "nj}", "a{nj}", "{n}{j}"):
+        with pytest.raises(ValueError, match="hash tag"):
+            Keys(bad)
+
+
+# --------------------------------------------------------------------------- a real cluster
+
+
+def _free_cluster_port() -> int:
+    while True:  # the node's bus listens on port + 10000
+        port = free_port()
+        if port + 10000 < 65536:
+            try:
+                import socket
+
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + 10000))
+                return port
+            except OSError:
+                continue
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    server = redis_server_binary()
+    cli = str(Path(server).with_name("redis-cli"))
+    ports, procs = [], []
+    try:
+        for _ in range(3):
+            port = _free_cluster_port()
+            d = tmp_path_factory.mktemp(f"node{port}")
+            procs.append(subprocess.Popen(
+                [server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                 "--cluster-config-file", str(d / "nodes.conf"), "--cluster-node-timeout", "5000",
+                 "--save", "", "--appendonly", "no", "--dir", str(d), "--loglevel", "warning"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+            ports.append(port)
+        for port in ports:
+            _wait(lambda: redis.Redis(port=port, socket_timeout=1).ping(), f"node {port}")
+        out = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
+                              "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        for port in ports:
+            _wait(lambda: redis.Redis(port=port).cluster("info")["cluster_state"] == "ok", f"cluster state ok on {port}")
+        yield ports
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+
+
+def _wait(check, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if check():
+                return
+        except redis.RedisError:
+            pass
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+async def beat(r, keys, wid, kv_free=100, running=0, draining=False):
+    hb = Heartbeat(worker_id=wid, unix_ms=now_ms(), model="m", kv_blocks_free=kv_free, kv_blocks_total=100,
+                   running=running, waiting=0, max_running=8, gamma=0, draft_residency="none", draining=draining)
+    await r.set(keys.heartbeat(wid), hb.encode(), px=60_000)
+    await r.hset(keys.leases, wid, lease_entry(hb))  # the scheduler's table row (scheduler_svc.capacity)
+    await r.pexpire(keys.leases, 60_000)
+    return hb
+
+
+async def send(direct, rid) -> str | None:
+    raw = Job(request_id=rid, prompt_token_ids=(1, 2, 3), params={"max_tokens": 4}).encode()
+    return await direct.enqueue(rid, raw, now_ms())
+
+
+@pytest.mark.slow
+async def test_the_lease_script_runs_on_a_cluster(cluster):
+    r = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in cluster])
+    try:
+        keys = Keys(f"{{c{uuid.uuid4().hex[:6]}}}")
+        direct = DirectDispatch(r, keys, assignment_ttl_s=60.0)
+        assert await send(direct, "r0") is None  # no lease table: the requests stream
+        assert await r.xlen(keys.requests) == 1
+        await r.delete(keys.requests)
+        await beat(r, keys, "w1")
+        await beat(r, keys, "w2")
+        assert [await send(direct, f"r{i}") for i in range(1, 5)] == ["w2", "w1", "w2", "w1"]
+        assert [Job.decode(f[b"job"]).request_id for _, f in await r.xrange(keys.inbox("w2"))] == ["r1", "r3"]
+        assert await r.hget(keys.assignment("r1"), "worker") == b"w2"
+        assert await r.smembers(keys.worker_assignments("w1")) == {b"r2", b"r4"}
+        # A worker that joins the table after the gateway declared its keys is seen at once
+        # (the script names the undeclared workers; the caller declares them and calls again).
+        await beat(r, keys, "w3")
+        assert await send(direct, "r5") == "w3"
+        await beat(r, keys, "w3", draining=True)
+        assert await send(direct, "r6") != "w3"
+        slots = {int(await r.execute_command("CLUSTER KEYSLOT", k, target_nodes=RedisCluster.RANDOM))
+                 for k in (keys.requests, keys.leases, keys.assignment("r1"), keys.inbox("w1"), keys.heartbeat("w3"))}
+        assert len(slots) == 1
+    finally:
+        await r.aclose()
+
+
+@pytest.mark.slow
+async def test_an_untagged_prefix_is_refused_by_the_cluster_not_misrouted(cluster):
+    r = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in cluster])
+    try:
+        keys = Keys(f"c{uuid.uuid4().hex[:6]}")
+        await beat(r, keys, "w1")
+        with pytest.raises((redis.RedisError, redis.exceptions.RedisClusterException), match="(?i)slot"):
+            await send(DirectDispatch(r, keys, assignment_ttl_s=60.0), "r0")
+    finally:
+        await r.aclose()
+
+
+@pytest.mark.slow
+async def test_every_key_of_a_running_stack_is_in_one_slot(cluster):
+    """A whole stack (gateway, scheduler, planner, worker) with a tagged prefix, mid-request:
+    every key it made, per-request ones included, hashes to one Cluster slot."""
+    target, draft = pair()
+    prefix = f"{{c{uuid.uuid4().hex[:6]}}}"
+    cfg = StackConfig(port=0, workers=1, key_prefix=prefix, target_path=Path(target), draft_path=Path(draft),
+                      policy="fixed:2", worker_threads=1)
+    seen: set[bytes] = set()
+    with Stack(cfg) as stack:
+        r = redis.Redis.from_url(stack.redis_url)
+        async with AsyncClient(stack.address) as c:
+            stream = c.stream("The old lighthouse keeper", max_tokens=64, ignore_eos=True, deadline_s=60)
+            async for _ in stream:
+                seen |= set(r.scan_iter(match=f"{prefix}:*", count=1000))
+        await asyncio.sleep(1.0)  # stats, policy
+        seen |= set(r.scan_iter(match=f"{prefix}:*", count=1000))
+        r.close()
+    kinds = {k[len(prefix) + 1:].split(b":", 1)[0] for k in seen}
+    assert {b"requests", b"leases", b"hb", b"inbox", b"out", b"assign", b"worker_jobs", b"stats"} <= kinds, kinds
+    node = redis.Redis(port=cluster[0])
+    slots = {node.execute_command("CLUSTER KEYSLOT", k) for k in seen}
+    assert len(slots) == 1, slots
+    # Without the tag the same names spread over the cluster: the tag is what holds them together.
+    assert len({node.execute_command("CLUSTER KEYSLOT", k.replace(b"{", b"").replace(b"}", b"")) for k in seen}) > 1
+    node.close()
