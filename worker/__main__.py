@@ -9,7 +9,7 @@ from pathlib import Path
 
 from nightjar import paths
 from nightjar.service_util import add_common_args, connect_redis, env_defaults, install_stop_handlers, service_main
-from worker.service.config import WorkerServiceConfig
+from worker.service.config import EngineConfig, WorkerServiceConfig
 
 
 def parse_config(argv: list[str]) -> WorkerServiceConfig:
@@ -38,13 +38,16 @@ def parse_config(argv: list[str]) -> WorkerServiceConfig:
     add_common_args(p, env)
     a = p.parse_args(argv)
     extra = {"worker_id": a.worker_id} if a.worker_id else {}
+    kv = {"kv_budget_bytes": a.kv_budget_bytes} if a.kv_budget_bytes else {}
+    draft = None if a.no_draft else a.draft
     try:
+        engine = EngineConfig(
+            target_path=str(a.target), draft_path=str(draft) if draft else None, device=a.device, dtype=a.dtype,
+            max_running=a.max_running, max_model_len=a.max_model_len, gamma_max=a.gamma_max,
+            default_gamma=a.default_gamma if draft else 0, num_threads=a.threads, **kv)
         return WorkerServiceConfig(
-            redis_url=a.redis_url, key_prefix=a.key_prefix, target_path=a.target,
-            draft_path=None if a.no_draft else a.draft, device=a.device, dtype=a.dtype,
-            kv_budget_bytes=a.kv_budget_bytes, max_running=a.max_running, max_model_len=a.max_model_len, gamma_max=a.gamma_max,
-            default_gamma=a.default_gamma, policy_ttl_s=a.policy_ttl_s, num_threads=a.threads, engine_process=a.engine_process,
-            drain_grace_s=a.drain_grace_s,
+            redis_url=a.redis_url, key_prefix=a.key_prefix, engine=engine, policy_ttl_s=a.policy_ttl_s,
+            engine_process=a.engine_process, drain_grace_s=a.drain_grace_s,
             metrics_port=a.metrics_port, metrics_host=a.metrics_host or "127.0.0.1", log_level=a.log_level, log_format=a.log_format,
             served_model_name=a.served_model_name, **extra)
     except ValueError as exc:

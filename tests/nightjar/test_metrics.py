@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -219,5 +220,5 @@ def test_a_scheduler_process_exports_process_metrics_only():
 def test_worker_labels_its_metrics_with_the_gateways_model_name():
     import worker.__main__ as wmain
 
-    assert wmain.parse_config([]).model_name == wmain.parse_config([]).target_path.name
+    assert wmain.parse_config([]).model_name == Path(wmain.parse_config([]).engine.target_path).name
     assert wmain.parse_config(["--served-model-name", "org/name"]).model_name == "org/name"

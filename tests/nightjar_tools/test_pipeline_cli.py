@@ -40,14 +40,16 @@ def test_serve_flags_build_a_validated_config(tmp_path):
 @pytest.mark.parametrize("service, argv, field, value", [
     ("gateway.__main__", ["--port", "0", "--max-queued", "7", "--auth-token", "t"], "max_queued", 7),
     ("scheduler_svc.__main__", ["--max-deliveries", "9"], "max_deliveries", 9),
-    ("worker.__main__", ["--no-draft", "--max-running", "8"], "draft_path", None),
+    ("worker.__main__", ["--no-draft", "--max-running", "8"], "engine.draft_path", None),
+    ("worker.__main__", ["--no-draft", "--max-running", "8"], "engine.max_running", 8),
 ])
 def test_each_service_parses_its_flags(service, argv, field, value, monkeypatch):
     import importlib
+    from operator import attrgetter
 
     monkeypatch.setenv("NIGHTJAR_REDIS_URL", "redis://envhost:6390/0")
     cfg = importlib.import_module(service).parse_config(argv)
-    assert getattr(cfg, field) == value
+    assert attrgetter(field)(cfg) == value
     assert cfg.redis_url == "redis://envhost:6390/0"  # the environment supplies the default
 
 

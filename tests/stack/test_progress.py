@@ -34,6 +34,7 @@ from tests.stack.conftest import (
     read_until_final,
     start_stack,
 )
+from worker.engine.config import EngineConfig
 from worker.service.config import WorkerServiceConfig
 from worker.service.loops import WorkerService
 
@@ -91,7 +92,7 @@ async def test_the_worker_survives_redis_busy_with_a_script_and_recovers():
     admin.config_set("lua-time-limit", 100)  # BUSY replies after 0.1 s of script, not 5 s
     target, draft = pair()
     cfg = WorkerServiceConfig(redis_url=server.url, key_prefix=f"b{uuid.uuid4().hex[:6]}", worker_id="wb",
-                              target_path=Path(target), draft_path=Path(draft), num_threads=1,
+                              engine=EngineConfig(target_path=str(target), draft_path=str(draft), num_threads=1),
                               heartbeat_interval_s=0.2, heartbeat_ttl_s=1.0, cancel_poll_s=0.2)
     keys = Keys(cfg.key_prefix)
     redis = connect_redis(cfg.redis_url)

@@ -10,6 +10,9 @@ from pathlib import Path
 
 from nightjar import paths
 from nightjar.service_util import check_redis_url
+from worker.engine.config import EngineConfig
+
+__all__ = ["EngineConfig", "WorkerServiceConfig"]  # the worker's command line builds both
 
 
 def _default_worker_id() -> str:
@@ -18,22 +21,19 @@ def _default_worker_id() -> str:
     return f"w-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
 
 
+def _default_engine() -> EngineConfig:
+    return EngineConfig(target_path=str(paths.DEFAULT_TARGET), draft_path=str(paths.DEFAULT_DRAFT))
+
+
 @dataclass(frozen=True)
 class WorkerServiceConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "nj"
     worker_id: str = field(default_factory=_default_worker_id)
-    target_path: Path = paths.DEFAULT_TARGET
-    draft_path: Path | None = paths.DEFAULT_DRAFT  # None = no speculation
-    device: str = "cpu"
-    dtype: str = "float32"
-    kv_budget_bytes: int | None = None  # None = the engine's default
-    max_running: int = 64
-    max_model_len: int | None = None  # prompt + completion cap; None = the models' own
-    gamma_max: int = 6
-    default_gamma: int = 0  # γ while no fresh policy is known (0 = safe under any load)
+    # the models, the device, the KV budget, γ's range and its default while no fresh policy
+    # is known (0 = safe under any load), torch threads: the engine's own validated settings
+    engine: EngineConfig = field(default_factory=_default_engine)
     policy_ttl_s: float = 10.0  # a policy older than this is ignored (default γ instead)
-    num_threads: int | None = None  # torch CPU threads
     # The engine loop in a child process instead of a thread (worker/host/process.py): on a GPU
     # the step is Python launching kernels and would share the GIL with the Redis side.
     # None = a process on CUDA, a thread on the CPU (where the matrix work releases the GIL).
@@ -55,37 +55,25 @@ class WorkerServiceConfig:
         check_redis_url(self.redis_url)
         if not self.worker_id or any(c in self.worker_id for c in ": \t\n*"):
             raise ValueError(f"worker_id must be non-empty without ':', '*' or spaces, got {self.worker_id!r}")
-        if not (self.target_path / "config.json").is_file():
-            raise ValueError(f"--target {self.target_path} has no config.json; point it at a model folder")
-        if self.draft_path is not None and not (self.draft_path / "config.json").is_file():
-            raise ValueError(f"--draft {self.draft_path} has no config.json; point it at a model folder or pass --no-draft")
-        if not 0 <= self.default_gamma <= self.gamma_max:
-            raise ValueError(f"default_gamma must be 0..gamma_max={self.gamma_max}, got {self.default_gamma}")
         if self.heartbeat_ttl_s < 2 * self.heartbeat_interval_s:
             raise ValueError("heartbeat_ttl_s must be at least twice heartbeat_interval_s, or one late beat kills the worker")
         for name in ("heartbeat_interval_s", "policy_ttl_s", "cancel_poll_s", "output_ttl_s", "drain_grace_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        for name in ("max_running", "stats_maxlen", "read_count"):
+        for name in ("stats_maxlen", "read_count"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def use_engine_process(self) -> bool:
-        return self.device.startswith("cuda") if self.engine_process is None else self.engine_process
+        return self.engine.device.startswith("cuda") if self.engine_process is None else self.engine_process
 
     @property
     def model_name(self) -> str:
         """What heartbeats and the metrics' model_name label say: the gateway's name for it."""
-        return self.served_model_name or self.target_path.name
+        return self.served_model_name or Path(self.engine.target_path).name
 
-    def engine_config(self):
-        from worker.engine.config import EngineConfig
-
-        extra = {"kv_budget_bytes": self.kv_budget_bytes} if self.kv_budget_bytes else {}
-        return EngineConfig(
-            target_path=str(self.target_path), draft_path=str(self.draft_path) if self.draft_path else None,
-            device=self.device, dtype=self.dtype, max_running=self.max_running, gamma_max=self.gamma_max,
-            default_gamma=self.default_gamma if self.draft_path else 0, num_threads=self.num_threads,
-            max_model_len=self.max_model_len, **extra,
-        )
+    @property
+    def default_gamma(self) -> int:
+        """γ while no fresh policy is known: the engine's default, 0 without a draft."""
+        return self.engine.default_gamma if self.engine.draft_path else 0

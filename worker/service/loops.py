@@ -78,14 +78,14 @@ class WorkerService:
     def _default_engine(self):
         from worker.engine.engine import Engine
 
-        return Engine(self.cfg.engine_config())
+        return Engine(self.cfg.engine)
 
     async def run(self, stop: asyncio.Event) -> None:
         self._stop = stop
         loop = asyncio.get_running_loop()
         deliver = lambda r: loop.call_soon_threadsafe(self._results.put_nowait, r)  # noqa: E731
         if self.cfg.use_engine_process and self._injected is None:
-            self.engine = EngineProcess(self.cfg.engine_config(), deliver, log_level=self.cfg.log_level)
+            self.engine = EngineProcess(self.cfg.engine, deliver, log_level=self.cfg.log_level)
         else:
             self.engine = EngineThread(self._factory, deliver)
         self.engine.start()
@@ -456,7 +456,7 @@ class WorkerService:
         return Heartbeat(
             worker_id=self.cfg.worker_id, unix_ms=now_ms(), model=self.cfg.model_name,
             kv_blocks_free=snap.kv_blocks_free, kv_blocks_total=snap.kv_blocks_total, running=snap.running,
-            waiting=snap.waiting + unseen, max_running=self.cfg.max_running, gamma=snap.gamma,
+            waiting=snap.waiting + unseen, max_running=self.cfg.engine.max_running, gamma=snap.gamma,
             draft_residency=snap.draft_residency, policy_version=self._policy_version, started_unix_ms=self.started_ms,
             memory_bytes=dict(snap.memory_bytes), draining=not self._accepting, engine_steps=snap.steps)
 
@@ -492,7 +492,7 @@ class WorkerService:
         try:
             while not follower.done():
                 wanted = view.residency(time.time())
-                if wanted and wanted != residency and self.cfg.draft_path is not None:
+                if wanted and wanted != residency and self.cfg.engine.draft_path is not None:
                     self.engine.submit(SetResidency(wanted))
                     residency = wanted
                 # (epoch, version): a planner's new epoch may restart at a lower version.

@@ -15,6 +15,7 @@ from nightjar.keys import Keys
 from nightjar.messages import Cancel, Heartbeat, Job, OutputChunk, Policy, SamplingParams, StepStats
 from nightjar.service_util import connect_redis, now_ms
 from tests.conftest import engine, pair, prompt_ids, read_until_final, run_all
+from worker.engine.config import EngineConfig
 from worker.service.config import WorkerServiceConfig
 from worker.service.loops import WorkerService
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 async def svc(redis_server, request):
     target, draft = pair()
     cfg = WorkerServiceConfig(redis_url=redis_server.url, key_prefix=f"w{uuid.uuid4().hex[:8]}", worker_id="w1",
-                              target_path=Path(target), draft_path=Path(draft), default_gamma=2, num_threads=1,
+                              engine=EngineConfig(target_path=str(target), draft_path=str(draft), default_gamma=2, num_threads=1),
                               heartbeat_interval_s=0.2, heartbeat_ttl_s=1.0, cancel_poll_s=0.2,
                               engine_process=request.param)
     redis = connect_redis(cfg.redis_url)
