@@ -51,21 +51,36 @@ async def grpc_stream(stub, prompt: str, max_tokens: int) -> tuple[float, int]:
     return ttft, n
 
 
-async def http_stream(client, prompt: str, max_tokens: int) -> tuple[float, int]:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+def completion_body(prompt: str, max_tokens: int) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    t0, ttft, n = time.perf_counter(), None, 0
-    async with client.stream("POST", "/completions", json=body) as resp:
+
+
+class SSEClock:
+    """Reads one stream's SSE events: the time to the first text, and the usage's token count."""
+
+    def __init__(self) -> None:
+        self.t0, self.ttft, self.tokens = time.perf_counter(), None, 0
+
+    def event(self, line: str | bytes) -> None:
+        if isinstance(line, bytes):
+            line = line.decode()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            self.tokens = chunk["usage"]["completion_tokens"]
+        elif self.ttft is None and chunk["choices"] and chunk["choices"][0]["text"]:
+            self.ttft = time.perf_counter() - self.t0
+
+
+async def http_stream(client, prompt: str, max_tokens: int) -> tuple[float, int]:
+    clock = SSEClock()
+    async with client.stream("POST", "/completions", json=completion_body(prompt, max_tokens)) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                n = chunk["usage"]["completion_tokens"]
-            elif ttft is None and chunk["choices"] and chunk["choices"][0]["text"]:
-                ttft = time.perf_counter() - t0
-    return ttft, n
+            clock.event(line)
+    return clock.ttft, clock.tokens
 
 
 class RawHTTP:
@@ -79,18 +94,17 @@ class RawHTTP:
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def stream(self, prompt: str, max_tokens: int) -> tuple[float, int]:
-        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                           "stream": True, "stream_options": {"include_usage": True}}).encode()
+        body = json.dumps(completion_body(prompt, max_tokens)).encode()
         head = (f"POST {self.path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
                 f"content-length: {len(body)}\r\n\r\n").encode()
-        t0 = time.perf_counter()
+        clock = SSEClock()
         reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
         writer.write(head + body)
         status = await reader.readline()
         assert b" 200 " in status, status
         while (await reader.readline()) not in (b"\r\n", b""):
             pass  # headers: uvicorn streams with chunked transfer encoding
-        ttft, n, buf = None, 0, b""
+        buf = b""
         while True:
             size = int((await reader.readline()).strip(), 16)
             if size == 0:
@@ -100,15 +114,9 @@ class RawHTTP:
             await reader.readexactly(2)
             while b"\n\n" in buf:
                 event, buf = buf.split(b"\n\n", 1)
-                if event == b"data: [DONE]":
-                    continue
-                chunk = json.loads(event[6:])
-                if chunk.get("usage"):
-                    n = chunk["usage"]["completion_tokens"]
-                elif ttft is None and chunk["choices"] and chunk["choices"][0]["text"]:
-                    ttft = time.perf_counter() - t0
+                clock.event(event)
         self.idle.append((reader, writer))
-        return ttft, n
+        return clock.ttft, clock.tokens
 
 
 async def one_round(kind: str, clients, texts: list[str], max_tokens: int) -> tuple[list[float], float]:
