@@ -30,10 +30,6 @@ class NightjarSettings:
     epsilon0: float = 0.2
     epsilon_min: float = 0.03
     probe_margin: float = 0.15  # only probe arms predicted within 15% of the greedy arm
-    # ... or within this, for an arm not yet played min_plays times in the bucket: its cost is
-    # extrapolated from other token counts, and the step model's shape can be off by 30% there
-    # (γ = 0 at batch 64 on the serve surface: predicted 60 ms, measured 41, from γ ≥ 1 steps only)
-    unplayed_margin: float = 0.35
     # Probes value an arm with acceptance raised by this many standard errors: one unlucky
     # first step at batch 1 must not price γ>0 out of ever being probed again (at γ=0 no
     # acceptance is observed, so a low estimate would never be corrected).
@@ -64,7 +60,7 @@ class NightjarSettings:
             raise ValueError("need 0 <= epsilon_min <= epsilon0 <= 1")
         if not 0 < self.probe_budget <= 1:
             raise ValueError(f"probe_budget must be in (0, 1], got {self.probe_budget}")
-        if (self.probe_margin < 0 or self.unplayed_margin < 0 or self.probe_optimism < 0 or self.switch_margin < 0 or self.table_margin < 0 or self.change_tolerance <= 0
+        if (self.probe_margin < 0 or self.probe_optimism < 0 or self.switch_margin < 0 or self.table_margin < 0 or self.change_tolerance <= 0
                 or self.initial_gamma < 0):
             raise ValueError("margins must be >= 0, change_tolerance > 0, initial_gamma >= 0")
 
@@ -385,8 +381,7 @@ class NightjarPolicy(GammaPolicy):
         eps = max(s.epsilon_min, s.epsilon0 / (1 + tl.block))
         uncertain = [a for a in range(self.gamma_max + 1) if a != base
                      and (tl.plays[a] < s.min_plays or tl.steps - tl.last_played[a] > s.stale_steps)
-                     and hopeful[a] <= loss[base] * (1.0 + (s.unplayed_margin if tl.plays[a] < s.min_plays
-                                                            else s.probe_margin))]
+                     and hopeful[a] <= loss[base] * (1.0 + s.probe_margin)]
         if uncertain:
             arm = min(uncertain, key=lambda a: hopeful[a])
         else:
