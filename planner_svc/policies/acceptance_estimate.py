@@ -30,7 +30,7 @@ class AcceptanceSettings:
 
 
 class AcceptanceEstimate:
-    """and the expected tokens a sequence emits in a step with γ drafts (the bonus token included) is
+    """The expected tokens a sequence emits in a step with γ drafts (the bonus token included) is
 
         E(γ) = 1 + Σ_{j=1..γ} Π_{i<j} α_i
 

@@ -100,7 +100,7 @@ def paged_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables:
     assert n == batch * q_len and q.stride(2) == 1 and q.stride(1) == d and kc.is_contiguous() and vc.is_contiguous()
     assert tables.dtype == pos.dtype == torch.int64 and tables.is_contiguous() and pos.is_contiguous()
     out = torch.empty(n, h * d, dtype=q.dtype)
-    lib = kernel()
+    lib = _lib  # built by usable(); no lock on the per-layer path
     assert lib is not None, "paged_attention called where usable() is False"
     status = lib.paged_attention(q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), tables.data_ptr(),
                                  tables.numel() // batch, kc.shape[0], pos.data_ptr(), out.data_ptr(), batch, q_len, h,
