@@ -150,7 +150,8 @@ class NightjarPolicy(GammaPolicy):
     that is within ``table_margin`` (a batch hovering at a boundary does not flip γ). With
     probability ε_j = max(ε_min, ε_0/(1+j)) it is instead a short probe bin (bin_base steps) of the cheapest uncertain arm predicted within
     ``probe_margin`` of the greedy one (else a neighbour γ±1). A probe whose predicted extra time
-    (its excess loss, plus C when it turns the draft on) exceeds ``probe_budget`` of the next bin's
+    (its excess loss, plus C when it turns the draft on, or the catch-up of its own steps when it
+    turns the draft off) exceeds ``probe_budget`` of the next bin's
     time has its probability scaled by (budget/extra)², because at high load its stall also delays
     every queued request. C = measured ms per catch-up token × batch × lag, summed over workers,
     the lag being the γ=0 steps in a row each worker reports (its whole context after a long run).
@@ -216,10 +217,11 @@ class NightjarPolicy(GammaPolicy):
     # --- predictions ---------------------------------------------------------------------------
     def losses(self, bucket: int, optimism: float = 0.0) -> np.ndarray:
         """Predicted ms per emitted token of every arm in one bucket, shape [γmax+1]; with
-        ``optimism`` > 0, at acceptance that many standard errors above its estimate."""
+        ``optimism`` > 0, at acceptance that many standard errors above its estimate and at the
+        step model's optimistic extrapolation."""
         tl = self.timelines[bucket]
         sizes, weights = tl.support()
-        step = weights @ self.cost.step_ms(sizes, self.gamma_max) + tl.catchup_per_step()  # [G+1]
+        step = weights @ self.cost.step_ms(sizes, self.gamma_max, optimism > 0) + tl.catchup_per_step()  # [G+1]
         expected = self.acceptance.optimistic_tokens(optimism) if optimism else self.acceptance.expected_tokens()
         tokens = float(weights @ sizes) * np.asarray(expected)  # [G+1]
         return step / tokens
@@ -388,7 +390,9 @@ class NightjarPolicy(GammaPolicy):
             near = [a for a in (base - 1, base + 1) if 0 <= a <= self.gamma_max]
             if not near:
                 return None
-            arm = min(near, key=lambda a: hopeful[a])
+            # The neighbour played least recently: always the cheaper-looking one would leave the
+            # other's estimate stale for good (γ = 1 overpriced by 15% at batch 48, never retried).
+            arm = min(near, key=lambda a: tl.last_played[a])
             eps = s.epsilon_min
         # Probe at full rate only while it is cheap: its predicted extra time (worse arm for one
         # short bin, plus the catch-up when it turns the draft on) within probe_budget of the
@@ -400,6 +404,8 @@ class NightjarPolicy(GammaPolicy):
         extra = max(hopeful[arm] - loss[base], 0.0) * s.bin_base * batch * expected[arm]
         if base == 0 and arm > 0:
             extra += self._catchup_ms(batch)
+        elif arm == 0:  # the return to base pays the draft's catch-up over the probe's steps
+            extra += self.cost.catchup_ms_per_token() * batch * s.bin_base
         budget = s.probe_budget * min(s.bin_max, s.bin_base << min(tl.block, 20)) * batch * expected[base] * loss[base]
         if extra > budget:  # quadratic: a dear probe's stall also delays everyone queued behind it
             eps *= (budget / extra) ** 2

@@ -81,11 +81,15 @@ class _Curve:
     def bounds(self) -> tuple[int, int]:
         return self.xs[0], self.xs[-1]
 
-    def predict(self, x: np.ndarray, x_min: float | None = None, x_max: float | None = None) -> np.ndarray:
-        """v at every x; ``x_min`` / ``x_max``: x's extremes, where the caller knows them."""
+    def predict(self, x: np.ndarray, x_min: float | None = None, x_max: float | None = None,
+                optimistic: bool = False) -> np.ndarray:
+        """v at every x; ``x_min`` / ``x_max``: x's extremes, where the caller knows them.
+        ``optimistic``: below the knots, the lowest the roofline allows (v proportional to x)."""
         if self._fit is None:
             self._fit = self._knots()
         xp, fp, top_x, top_v, top_slope, low_x, low_v, low_slope = self._fit
+        if optimistic:
+            low_slope = low_v / low_x
         out = np.interp(x, xp, fp)
         # Each numpy call on these few-element arrays costs about what the arithmetic does, so
         # the extrapolations are computed only where some x lies beyond the knots.
@@ -155,7 +159,8 @@ class _PerBatch(_Curve):
             return self.mean[x]
         return 0.0 if not self.xs else float(self.predict(np.array([float(x)]))[0])
 
-    def predict(self, x: np.ndarray, x_min: float | None = None, x_max: float | None = None) -> np.ndarray:
+    def predict(self, x: np.ndarray, x_min: float | None = None, x_max: float | None = None,
+                optimistic: bool = False) -> np.ndarray:
         if not self.xs:  # (no extrapolation here, so x's extremes are not needed)
             return np.zeros_like(np.asarray(x, dtype=float))
         if self._fit is None:
@@ -274,14 +279,20 @@ class StepCostModel:
     def ready(self) -> bool:
         return not self.verify.empty
 
-    def step_ms(self, batch_sizes: np.ndarray, gamma_max: int) -> np.ndarray:
-        """Predicted draft + verify ms, shape [len(batch_sizes), gamma_max + 1]."""
+    def step_ms(self, batch_sizes: np.ndarray, gamma_max: int, optimistic: bool = False) -> np.ndarray:
+        """Predicted draft + verify ms, shape [len(batch_sizes), gamma_max + 1].
+
+        ``optimistic``: v(n) below the token counts seen is extrapolated at the roofline's
+        lowest (proportional to n), not at the fitted slope. At a high batch only γ > 0 may have
+        been played, and γ = 0's n = B lies far below every knot; the fitted slope of a narrow
+        range is noise, and once it overpriced γ = 0 at batch 64 by 46% (BENCHMARKS.md, the
+        live planner), so that no probe ever tried it. Probes value arms optimistically."""
         b = np.asarray(batch_sizes, dtype=float)[:, None]  # [k, 1]
         g, g1 = self._arms(gamma_max)  # [1, G+1] each: γ and γ+1
         b_min, b_max = float(b.min()), float(b.max())
         # b·(γ+1) spans b_min·1 .. b_max·(γmax+1), the same products the array holds
         n_max = b_max * float(gamma_max + 1)
-        verify = self.verify.predict(b * g1, b_min, n_max) + self.per_seq.predict(b)  # [k, G+1]
+        verify = self.verify.predict(b * g1, b_min, n_max, optimistic) + self.per_seq.predict(b)  # [k, G+1]
         target = verify[:, :1]  # [k, 1] the target's pass at B tokens: the γ=0 column
         if self.draft.empty:
             per_pass = self.settings.draft_prior_ratio * target  # [k, 1]

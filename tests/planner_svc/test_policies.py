@@ -237,3 +237,20 @@ def test_step_cost_model_extrapolates_below_the_observed_range_optimistically():
         model.verify.observe(n, roof(n))
     below = float(model.verify.predict(np.array([40.0]))[0])
     assert below == pytest.approx(roof(40), rel=0.05) and below < roof(64)
+
+
+def test_probes_price_an_arm_far_below_the_seen_token_counts_at_the_roofline_floor():
+    # Only γ = 2 played at batch 64 (n = 186-192): the fitted low slope of so narrow a range is
+    # noise (here flat), so γ = 0's n = 64 looks as dear as n = 186. The optimistic prediction
+    # takes the roofline's lowest (v proportional to n) and so never prices it above the truth.
+    model = StepCostModel()
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        for n in (186, 189, 192):
+            model.verify.observe(n, 80.0 + rng.normal(0, 0.5))
+    fitted = float(model.verify.predict(np.array([64.0]))[0])
+    hopeful = float(model.verify.predict(np.array([64.0]), optimistic=True)[0])
+    assert hopeful < fitted
+    assert hopeful == pytest.approx(80.0 * 64 / 186, rel=0.05)
+    step = model.step_ms(np.array([64.0]), 2, optimistic=True)[0]  # [3]
+    assert step[0] < model.step_ms(np.array([64.0]), 2)[0][0]
