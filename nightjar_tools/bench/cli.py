@@ -85,6 +85,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/bench/UTC-STAMP)")
     p.add_argument("--plots-dir", type=Path, default=None, help="also copy the headline plots here (e.g. docs/bench)")
     p.add_argument("--repeats", type=int, default=1, help="repeat the policy sweep (interleaved) for the ratios' spread")
+    p.add_argument("--oracle", action="store_true",
+                   help="after each repeat, also run the hindsight oracle: per workload, the best static table on the "
+                        "surface that repeat measured (on by default with --headline)")
     p.add_argument("--report", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
                    help="run nothing: merge earlier results.json files (each one a repeat) into one report and plots")
     p.add_argument("--no-progress", action="store_true")
@@ -143,7 +146,8 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
                             drain_timeout_s=a.drain_timeout_s or (15.0 if a.quick else 20.0), kv_budget_bytes=kv_budget,
                             worker_args=tuple(a.worker_arg), target_model=a.target_model, draft_model=a.draft_model,
                             worker_threads=a.worker_threads, capacity_rps=capacity, fixed_gamma=fixed_gamma,
-                            capacity_probe_s=12.0 if a.quick else 20.0, repeats=a.repeats, progress=not a.no_progress)
+                            capacity_probe_s=12.0 if a.quick else 20.0, repeats=a.repeats, progress=not a.no_progress,
+                            oracle=a.oracle or a.headline)
     except ValueError as exc:
         p.error(str(exc))
     t0 = time.monotonic()
@@ -186,7 +190,9 @@ def merge_payloads(payloads: list[dict]) -> dict:
             policy, workload, *_ = key.split("|")
             samples.setdefault(f"{policy}|{workload}", s)  # timelines of the first repeat
     kinds = {r["workload"]: r["kind"] for r in runs}
-    return {**first, "runs": runs, "samples": samples, "goals": report.goal_rows(runs, kinds), "merged_from": rep}
+    merged = {**first, "runs": runs, "samples": samples, "merged_from": rep}
+    merged["goals"] = report.goal_rows(runs, kinds) + report.learning_rows(merged)
+    return merged
 
 
 def _merge(a: argparse.Namespace, p: argparse.ArgumentParser, out: Path) -> int:

@@ -87,6 +87,9 @@ class CompareConfig:
     capacity_probe_warmup_s: float = 4.0  # the first prefills and the batch filling up are not steady state
     progress: bool = True
     repeats: int = 1  # the whole policy sweep, repeated (fresh stacks each time)
+    # After each repeat's sweep, run the hindsight oracle (report.oracle_table of that repeat's
+    # measured surface, per workload) on one more stack, the bench publishing its table.
+    oracle: bool = False
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -204,12 +207,15 @@ def _fixed_workload(n: int, prompt_tokens: int, output_tokens: int, gap_s: float
 # --------------------------------------------------------------------------- calibration
 
 
-async def _publish(stack: Stack, gamma: int, version: int) -> None:
+async def _publish(stack: Stack, gamma: int, version: int, table: dict[int, int] | None = None, name: str = "") -> None:
+    """Publish a policy to a stack without a planner: ``gamma`` everywhere, or ``table``
+    ({bucket upper bound: γ}; the last bucket also covers larger batches)."""
     import redis.asyncio as aioredis
 
     keys = Keys(stack.cfg.key_prefix)
-    pol = Policy(version=version, unix_ms=int(time.time() * 1000), ttl_s=3600.0, bucket_upper_bounds=(1,),
-                 gamma_by_bucket=(gamma,), name=f"bench-calibration-{gamma}")
+    bounds, gammas = (tuple(table), tuple(table.values())) if table else ((1,), (gamma,))
+    pol = Policy(version=version, unix_ms=int(time.time() * 1000), ttl_s=3600.0, bucket_upper_bounds=bounds,
+                 gamma_by_bucket=gammas, name=name or f"bench-calibration-{gamma}")
     r = aioredis.Redis.from_url(stack.redis_url)
     try:
         await r.set(keys.policy, pol.encode())
@@ -306,14 +312,16 @@ class Comparison:
 
     def payload(self) -> dict:
         kinds = {w.spec: w.kind for w in self.cfg.workloads}
-        return {"config": {"policies": self.cfg.policies, "workloads": [(w.spec, w.duration_s) for w in self.cfg.workloads],
+        payload = {"config": {"policies": self.cfg.policies, "workloads": [(w.spec, w.duration_s) for w in self.cfg.workloads],
                            "seed": self.cfg.seed, "scale": self.cfg.scale.__dict__, "kv_budget_bytes": self.cfg.kv_budget_bytes,
                            "target_model": str(self.cfg.target_model), "draft_model": str(self.cfg.draft_model),
                            "draft_weight_bytes": draft_weight_bytes(self.cfg.draft_model),
                            "drain_timeout_s": self.cfg.drain_timeout_s, "workers": self.cfg.workers,
                            "worker_threads": self.cfg.worker_threads, "worker_args": self.cfg.worker_args},
                 "started_unix": self.started_unix, "calibration": self.calibration, "stack_start_s": self.stack_start_s,
-                "runs": self.runs, "goals": report.goal_rows(self.runs, kinds), "samples": self.samples}
+                "runs": self.runs, "samples": self.samples}
+        payload["goals"] = report.goal_rows(self.runs, kinds) + report.learning_rows(payload)
+        return payload
 
 
 def run_comparison(cfg: CompareConfig, log=print) -> Comparison:
@@ -376,9 +384,40 @@ async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
             policy = resolve_policy(spec, gamma)
             await _one_policy(cmp, cfg, policy, rep, bank, workloads, prompts, plan_workloads, log)
             done = rep * len(cfg.policies) + i + 1
-            eta_s = (time.monotonic() - t_start) / done * (total - done)
-            log(f"progress {done}/{total} stacks" + (f", ETA {eta_s / 60:.0f} min" if done < total else ""))
+            eta_s = (time.monotonic() - t_start) / done * (total - done) * (1 + cfg.oracle / len(cfg.policies))
+            log(f"progress {done}/{total} stacks" + (f", ETA {eta_s / 60:.0f} min" if done < total or cfg.oracle else ""))
+        if cfg.oracle:
+            await _oracle(cmp, cfg, rep, bank, workloads, prompts, log)
     return cmp
+
+
+async def _oracle(cmp: Comparison, cfg: CompareConfig, rep: int, bank: PromptBank, workloads: list[Workload],
+                  prompts: list[list[str]], log) -> None:
+    """The hindsight oracle of repeat ``rep``: per workload, the best static table on the surface
+    that repeat's runs measured, published by the bench on a stack without a planner."""
+    tables = {plan.spec: report.oracle_table([r for r in cmp.runs if r["workload"] == plan.spec and r.get("repeat", 0) == rep])
+              for plan in cfg.workloads}
+    cmp.calibration.setdefault("oracle_tables", {})[str(rep)] = {k: {str(b): g for b, g in t.items()} for k, t in tables.items()}
+    async with _Running(cfg.stack_config("off", cfg.out_dir / "logs" / f"oracle-r{rep}", planner=False)) as stack:
+        await run_on_stack(stack, _fixed_workload(2, 16, 8), [bank.text(16, np.random.default_rng(1))] * 2, _quiet(cfg), "warmup")
+        for k, (plan, wl, texts) in enumerate(zip(cfg.workloads, workloads, prompts)):
+            table = tables[plan.spec]
+            if not table:
+                log(f"oracle: no cell of {plan.spec} had {report.ORACLE_MIN_STEPS} decode steps; skipped")
+                continue
+            await _publish(stack, 0, version=3000 + 100 * rep + k, table=table, name=report.ORACLE)
+            await asyncio.sleep(1.5)  # the worker follows the policy channel
+            if not await wait_idle(stack):
+                log(f"oracle: the stack was still busy after 30 s; starting {plan.spec} anyway")
+            log(f"oracle (repeat {rep + 1}/{cfg.repeats}): workload {plan.spec}, table {table}")
+            speed = speed_probe_ms()
+            result, steps = await run_on_stack(stack, wl, texts, cfg, f"oracle | {plan.spec}")
+            run = report.summarize(result, steps, warmup_s=wl.warmup_s)
+            run.update(policy=report.ORACLE, kind=plan.kind, repeat=rep, loadavg_1m=os.getloadavg()[0], speed_probe_ms=speed,
+                       oracle_table=table)
+            cmp.runs.append(run)
+            cmp.samples[f"{report.ORACLE}|{plan.spec}" + (f"|r{rep}" if rep else "")] = result.samples
+            report.write_json(cfg.out_dir / "results.json", cmp.payload())
 
 
 async def _one_policy(cmp: Comparison, cfg: CompareConfig, policy: str, rep: int, bank: PromptBank,

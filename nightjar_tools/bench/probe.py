@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 
 from nightjar.keys import Keys
 from nightjar.messages import Heartbeat, MessageError, StepStats
+from planner_svc.policies.base import DEFAULT_BUCKETS, bucket_index
 
 
 class StackProbe:
@@ -100,7 +101,8 @@ def summarize_steps(steps: list[StepStats], since_unix_ms: float = 0.0) -> dict:
     steps = [s for s in steps if s.unix_ms >= since_unix_ms]
     out = {"steps": len(steps), "gamma_switches": 0, "offloads": 0, "reloads": 0, "acceptance": None,
            "accepted_per_step": None, "spec_step_share": 0.0, "catchup_tokens": 0, "catchup_ms": 0.0,
-           "preempted": 0, "emitted_tokens": 0, "mean_batch": 0.0, "mean_step_ms": 0.0, "acceptance_alarms": 0}
+           "preempted": 0, "emitted_tokens": 0, "mean_batch": 0.0, "mean_step_ms": 0.0, "acceptance_alarms": 0,
+           "cells": {}}
     if not steps:
         return out
     last_gamma: dict[str, int] = {}
@@ -123,6 +125,12 @@ def summarize_steps(steps: list[StepStats], since_unix_ms: float = 0.0) -> dict:
             spec_steps += 1
             proposed += s.gamma * s.batch_size
             accepted += sum(s.accepted_per_position)
+        if s.batch_size > 0 and s.prefill_tokens == 0 and s.catchup_tokens == 0:
+            # The run's measured surface: pure decode steps per (batch bucket, γ), for the hindsight oracle.
+            cell = out["cells"].setdefault(f"{DEFAULT_BUCKETS[bucket_index(DEFAULT_BUCKETS, s.batch_size)]}|{s.gamma}", [0, 0.0, 0])
+            cell[0] += 1
+            cell[1] += s.step_ms
+            cell[2] += s.emitted_tokens
         out["catchup_tokens"] += s.catchup_tokens
         out["catchup_ms"] += s.catchup_ms
         out["preempted"] += s.preempted

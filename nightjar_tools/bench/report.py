@@ -68,6 +68,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 # --------------------------------------------------------------------------- goals
 
 STATIC_BEST = "best-static"  # baseline: the best of `off` and every `fixed:γ`, per repeat
+ORACLE = "oracle"  # the hindsight table: each bucket's best γ on the repeat's measured surface
+ORACLE_MIN_STEPS = 20  # a (bucket, γ) cell with fewer decode steps is too noisy to choose by
 
 # (name, workloads it applies to, baseline chooser, metric, direction, threshold)
 # direction "ge": nightjar / baseline >= threshold; "le": <= threshold.
@@ -84,6 +86,7 @@ GOALS = (
     ("TTFT p50, offload vs no offload (overload)", "overload", "nightjar-nooffload", "ttft_p50", "le", 0.70),
     ("throughput vs best static γ (closed loop)", "closed", STATIC_BEST, "tokens_per_s", "ge", 0.97),
     ("throughput vs best static γ (dynamic)", "dynamic", STATIC_BEST, "tokens_per_s", "ge", 1.00),
+    ("throughput vs hindsight oracle (dynamic)", "dynamic", ORACLE, "tokens_per_s", "ge", 0.95),
 )
 
 
@@ -99,6 +102,67 @@ def metric(run: dict, name: str) -> float | None:
 
 def _is_static(policy: str) -> bool:
     return policy == "off" or policy.startswith("fixed:")
+
+
+def oracle_table(runs: list[dict], min_steps: int = ORACLE_MIN_STEPS) -> dict[int, int]:
+    """The best static per-batch-size table in hindsight: {bucket upper bound: γ}.
+
+    ``runs``: one workload's runs of one repeat, every policy. Their engines' pure decode steps
+    (``engine["cells"]``: "bucket|γ" -> [steps, ms, emitted tokens]) pooled per cell make the
+    run's measured surface; each bucket takes the γ with the fewest ms per emitted token among
+    cells with ``min_steps`` or more. Only γs some policy played in a bucket can be chosen there.
+    """
+    pooled: dict[tuple[int, int], list[float]] = {}
+    for r in runs:
+        for key, (steps, ms, tokens) in ((r.get("engine") or {}).get("cells") or {}).items():
+            bucket, gamma = (int(x) for x in key.split("|"))
+            cell = pooled.setdefault((bucket, gamma), [0, 0.0, 0])
+            cell[0] += steps
+            cell[1] += ms
+            cell[2] += tokens
+    best: dict[int, tuple[float, int]] = {}
+    for (bucket, gamma), (steps, ms, tokens) in pooled.items():
+        if steps >= min_steps and tokens > 0:
+            cost = ms / tokens
+            if bucket not in best or cost < best[bucket][0]:
+                best[bucket] = (cost, gamma)
+    return {b: best[b][1] for b in sorted(best)}
+
+
+def learning_delays(samples: dict[str, list[dict]], subject: str = "nightjar", baselines: tuple[str, ...] = (),
+                    window_s: float = 10.0, horizon_s: float = 60.0, target: float = 0.95) -> list[dict]:
+    """How soon after each change of the pattern's load the subject's throughput catches up.
+
+    ``samples``: one workload's timelines by policy (loadgen samples: ``t``, ``tokens_per_s``,
+    ``nominal_rps``). At every change of ``nominal_rps`` the phase's baseline is whichever of
+    ``baselines`` delivered the most tokens over the phase; the delay is the first sample within
+    ``horizon_s`` at which the subject's rolling ``window_s`` throughput reaches ``target`` × the
+    baseline's over the same window (None: not within the horizon)."""
+    sub = samples.get(subject) or []
+    base = {p: samples[p] for p in baselines if samples.get(p)}
+    if not sub or not base:
+        return []
+    changes = [(b["t"], b["nominal_rps"]) for a, b in zip(sub, sub[1:])
+               if a.get("nominal_rps") is not None and b.get("nominal_rps") is not None and a["nominal_rps"] != b["nominal_rps"]]
+    ends = [t for t, _ in changes[1:]] + [sub[-1]["t"]]
+
+    def rate(series: list[dict], t0: float, t1: float) -> float:
+        xs = [x["tokens_per_s"] for x in series if t0 < x["t"] <= t1]
+        return sum(xs) / len(xs) if xs else 0.0
+
+    out = []
+    for (t_change, rps), t_end in zip(changes, ends):
+        best = max(base, key=lambda p: rate(base[p], t_change, t_end))
+        delay = None
+        for x in sub:
+            t = x["t"]
+            if t_change + window_s <= t <= min(t_change + horizon_s, t_end):
+                ref = rate(base[best], t - window_s, t)
+                if ref <= 0 or rate(sub, t - window_s, t) >= target * ref:
+                    delay = t - t_change
+                    break
+        out.append({"t": t_change, "nominal_rps": rps, "baseline": best, "delay_s": delay})
+    return out
 
 
 def _baseline(policies: list[str], kind: str) -> str | None:
@@ -145,6 +209,28 @@ def goal_rows(runs: list[dict], workload_kinds: dict[str, str], subject: str = "
                     ok, note = None, "not exercised: no offload happened"
             rows.append({"goal": name, "workload": wl, "baseline": base, "ratio": r, "ratios": ratios,
                          "target": f"{'≥' if direction == 'ge' else '≤'} {threshold:.2f}", "met": ok, "note": note})
+    return rows
+
+
+def learning_rows(payload: dict, horizon_s: float = 60.0) -> list[dict]:
+    """The learning-speed goal per dynamic workload: the share of load changes after which
+    nightjar reached 0.95x the best static policy's (or the oracle's) rolling throughput within
+    ``horizon_s`` (first repeat's timelines)."""
+    runs = payload["runs"]
+    policies = sorted({r["policy"] for r in runs})
+    baselines = tuple(p for p in policies if _is_static(p) or p == ORACLE)
+    rows = []
+    for wl in dict.fromkeys(r["workload"] for r in runs if r["kind"] == "dynamic"):
+        timelines = {key.split("|")[0]: s for key, s in payload["samples"].items()
+                     if key.split("|")[1] == wl and len(key.split("|")) == 2}
+        delays = learning_delays(timelines, baselines=baselines, horizon_s=horizon_s)
+        if not delays:
+            continue
+        reached = [d["delay_s"] for d in delays if d["delay_s"] is not None]
+        rows.append({"goal": f"learning: ≥ 0.95× best static within {horizon_s:.0f} s of a load change", "workload": wl,
+                     "baseline": "best static per phase", "ratio": len(reached) / len(delays), "ratios": [],
+                     "target": f"all {len(delays)} changes", "met": len(reached) == len(delays),
+                     "note": "" if not reached else f"median delay {statistics.median(reached):.0f} s"})
     return rows
 
 
@@ -219,6 +305,8 @@ def markdown_goals(rows: list[dict]) -> str:
     lines = ["| goal | workload | baseline | nightjar ÷ baseline | target | result |", "|---|---|---|---|---|---|"]
     for r in rows:
         verdict = r.get("note") or "–" if r["met"] is None else ("met" if r["met"] else "**missed**")
+        if r["met"] is not None and r.get("note"):
+            verdict += f" ({r['note']})"
         value = _f(r["ratio"], 3)
         if len(r.get("ratios", ())) > 1:
             value += f" ({min(r['ratios']):.3f}–{max(r['ratios']):.3f}, {len(r['ratios'])} repeats)"

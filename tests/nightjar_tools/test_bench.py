@@ -521,3 +521,46 @@ def test_comparison_chart_shows_small_differences_with_repeats_and_a_clear_legen
         plt.close(fig)
     path = plots.comparison_bars(runs, tmp_path / "cmp.png", "fixed:3", "test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_oracle_table_takes_each_buckets_cheapest_gamma_per_token_over_every_policy():
+    def run(policy, cells):
+        return {"policy": policy, "engine": {"cells": cells}}
+
+    runs = [run("off", {"4|0": [100, 800.0, 400], "64|0": [100, 4000.0, 6400]}),
+            run("fixed:3", {"4|3": [100, 1700.0, 1000], "64|3": [100, 15000.0, 12000], "16|3": [5, 10.0, 100]}),
+            run("table", {"64|1": [100, 8400.0, 9000]})]
+    # bucket 4: γ3 1.7 ms/token < γ0 2.0; bucket 64: γ0 0.625 < γ1 0.93 < γ3 1.25; bucket 16: 5 steps only
+    assert report.oracle_table(runs) == {4: 3, 64: 0}
+    assert report.oracle_table(runs, min_steps=1) == {4: 3, 16: 3, 64: 0}
+    assert report.oracle_table([run("x", {})]) == {}
+
+
+def _timeline(rates, per_phase=40, dt=1.0):
+    """Samples over phases of nominal load: [(nominal_rps, tokens_per_s function of t in phase)]."""
+    out, t = [], 0.0
+    for rps, tps in rates:
+        for i in range(per_phase):
+            t += dt
+            out.append({"t": t, "nominal_rps": rps, "tokens_per_s": tps(i * dt)})
+    return out
+
+
+def test_learning_delays_time_how_long_the_subject_trails_the_best_static_after_each_change():
+    steady = lambda v: (lambda _t: v)  # noqa: E731
+    fixed = _timeline([(1.0, steady(100)), (5.0, steady(300)), (1.0, steady(100))])
+    off = _timeline([(1.0, steady(80)), (5.0, steady(400)), (1.0, steady(80))])
+    # nightjar: at 200 for the first 20 s of the overload phase, then 400; never catches up in phase 3
+    nightjar = _timeline([(1.0, steady(100)), (5.0, lambda t: 200 if t < 20 else 400), (1.0, steady(50))])
+    delays = report.learning_delays({"nightjar": nightjar, "fixed:3": fixed, "off": off}, baselines=("fixed:3", "off"),
+                                    window_s=10.0, horizon_s=60.0)
+    assert [d["baseline"] for d in delays] == ["off", "fixed:3"]  # the best of each phase
+    first, second = delays
+    # the 10 s window is at 400 from t = change + 20 + 10, >= 0.95 × 400 a sample before: 29-30 s
+    assert 28 <= first["delay_s"] <= 31
+    assert second["delay_s"] is None  # 50 < 0.95 × 100 for the whole phase
+    payload = {"runs": [{"workload": "burst", "kind": "dynamic", "policy": p} for p in ("nightjar", "fixed:3", "off")],
+               "samples": {"nightjar|burst": nightjar, "fixed:3|burst": fixed, "off|burst": off}}
+    (row,) = report.learning_rows(payload)
+    assert row["ratio"] == 0.5 and row["met"] is False and "median delay" in row["note"]
+    assert "**missed** (median delay" in report.markdown_goals([row])
