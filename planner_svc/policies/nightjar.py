@@ -233,12 +233,14 @@ class NightjarPolicy(GammaPolicy):
         loss = self.losses(bucket_index(self.buckets, batch_size))
         return float(max(0.0, 1.0 - loss.min() / loss[0]))
 
-    def batching_gain(self, batch_size: int, larger: int) -> float:
-        """Predicted fractional rise in γ=0 tokens/s from running ``larger`` sequences instead."""
+    def offload_gain(self, batch_size: int, larger: int) -> float:
+        """Predicted fractional rise in tokens/s from γ=0 at ``larger`` sequences over the best
+        γ at ``batch_size``: what handing the draft's memory to the KV cache buys."""
         if not self.cost.ready or larger <= batch_size:
             return 0.0
-        t = self.cost.step_ms(np.array([batch_size, larger]), 0)[:, 0]  # [2] ms per γ=0 step
-        return float(larger / max(t[1], 1e-9) / (batch_size / max(t[0], 1e-9)) - 1.0)
+        step = self.cost.step_ms(np.array([batch_size, larger], dtype=float), self.gamma_max)  # [2, G+1] ms
+        now = float((batch_size * np.asarray(self.acceptance.expected_tokens()) / np.maximum(step[0], 1e-9)).max())
+        return float(larger / max(step[1, 0], 1e-9) / now - 1.0)
 
     # --- update --------------------------------------------------------------------------------
     def update(self, stats: StepStats) -> None:
@@ -282,8 +284,7 @@ class NightjarPolicy(GammaPolicy):
         if tl.steps_left <= 0:
             self._end_bin(tl, bucket)
         if self.settings.offload:
-            self.residency_ctl.observe(stats, self.gamma_for, self.gain, self.batching_gain,
-                                       self.cost.catchup_ms_per_token())
+            self.residency_ctl.observe(stats, self.gain, self.offload_gain, self.cost.catchup_ms_per_token())
 
     def _end_bin(self, tl: _Timeline, bucket: int) -> None:
         s = self.settings

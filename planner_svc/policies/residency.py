@@ -17,8 +17,8 @@ class ResidencySettings:
     kv_full_fraction: float = 0.9
     pressure_smoothing: float = 0.02  # EMA weight per step: pressure must last ~1/this steps
     offload_above: float = 0.8
-    offload_max_gain: float = 0.02  # offload only if speculation is predicted to gain <= 2% here
-    offload_min_batching_gain: float = 0.02  # ... and the bigger batch to raise γ=0 tokens/s >= 2%
+    offload_max_gain: float = 0.02  # offload only if speculation is predicted to gain <= 2% at the grown batch
+    offload_min_gain: float = 0.02  # ... and γ=0 there to beat the best γ at today's batch by >= 2%
     kv_growth_prior: float = 1.5  # KV pool offloaded / resident before anything says otherwise
     reload_gain_under_pressure: float = 0.15  # ... and reload regardless of pressure above 15%
     reload_below: float = 0.2
@@ -60,20 +60,24 @@ class _WorkerState:
 
 @dataclass
 class ResidencyController:
-    """offload  if resident  and p >= offload_above and γ wanted at its batch size == 0
-                 and gain(B) <= offload_max_gain and gain(B') <= offload_max_gain
-                 and batching gain(B → B') >= offload_min_batching_gain
+    """offload  if resident  and p >= offload_above
+                 and gain(B') <= offload_max_gain
+                 and offload gain(B → B') >= offload_min_gain
         reload   if offloaded and p <= reload_below  and used KV fits in reload_fit · resident pool
                  and gain · horizon_ms > reload_cost_ms + catch-up ms of its live tokens,
                  or, pressure or not, if gain >= reload_gain_under_pressure (a mistaken offload)
 
-    where gain = 1 − L(γ*)/L(0) is the policy's predicted speed-up of speculation at the worker's
-    batch size, and the batching gain is the predicted rise in γ=0 tokens/s from B to the batch B'
-    the freed memory admits (B' = min(B·growth, B + waiting), growth = KV pool offloaded / resident,
-    measured after the first offload, from the worker's memory parts before it). Where the step is
-    compute-bound a bigger batch buys no throughput: it only moves waiting time into slower decoding
-    for everyone, so the draft stays. And where speculation would pay again at B' (the next bucket
-    up learned a γ > 0), the draft would be reloaded as soon as the batch grew.
+    where gain = 1 − L(γ*)/L(0) is the policy's predicted speed-up of speculation at a batch size,
+    B' is the batch the freed memory admits (B' = min(B·growth, B + waiting), growth = KV pool
+    offloaded / resident, measured after the first offload, from the worker's memory parts
+    before it), and the offload gain is the predicted rise in tokens/s from γ = 0 at B' over the
+    best γ at B. Offloading is this worker's choice of γ = 0 under memory pressure: it pays when
+    the bigger batch at γ = 0 beats speculating at the batch memory allows now, even where
+    speculation still pays a little at B (live, the KV pool capped the batch at 27, just below
+    the crossover, so a rule that waited for γ = 0 at B never offloaded). Where the step is
+    compute-bound a bigger batch buys no throughput: it only moves waiting time into slower
+    decoding for everyone, so the draft stays. And where speculation would pay again at B' (the
+    next bucket up learned a γ > 0), the draft would be reloaded as soon as the batch grew.
 
     Both moves wait ``min_dwell_steps`` after the previous one and are checked every 16 steps, so
     the directive cannot flap. A worker whose steps stop for ``forget_after_ms`` (by the steps'
@@ -90,8 +94,8 @@ class ResidencyController:
         state = self.workers.get(worker_id)
         return state.residency if state else Residency.RESIDENT
 
-    def observe(self, stats: StepStats, gamma_wanted: Callable[[int], int], gain: Callable[[int], float],
-                batching_gain: Callable[[int, int], float], catchup_ms_per_token: float) -> None:
+    def observe(self, stats: StepStats, gain: Callable[[int], float], offload_gain: Callable[[int, int], float],
+                catchup_ms_per_token: float) -> None:
         s = self.settings
         w = self.workers.get(stats.worker_id)
         if w is None:  # (not setdefault: that would build a _WorkerState on every step)
@@ -110,12 +114,10 @@ class ResidencyController:
         if w.steps_since_change < s.min_dwell_steps or w.steps_since_change % 16:
             return  # both moves are slow decisions; checking every 16 steps keeps update() cheap
         if w.residency == Residency.RESIDENT:
-            # γ in force is 0 *and* the model sees nothing to gain from speculating at this
-            # batch size: a stale or exploring table must not push the draft out while it pays.
-            b = stats.batch_size
-            if w.pressure >= s.offload_above and gamma_wanted(b) == 0 and gain(b) <= s.offload_max_gain:
+            if w.pressure >= s.offload_above:
+                b = stats.batch_size
                 grown = self._grown_batch(w, stats)
-                if gain(grown) > s.offload_max_gain or batching_gain(b, grown) < s.offload_min_batching_gain:
+                if gain(grown) > s.offload_max_gain or offload_gain(b, grown) < s.offload_min_gain:
                     return
                 w.residency, w.steps_since_change = Residency.OFFLOADED, 0
                 w.offloads += 1
