@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gamma-max", type=int, default=4)
     p.add_argument("--noise", type=float, default=0.1, help="step-time noise, ± fraction")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-tokens", type=int, default=SimConfig.kv_tokens, help="target KV pool per worker, draft resident")
+    p.add_argument("--draft-kv-share", type=float, default=SimConfig.draft_kv_share,
+                   help="offloading the draft grows the KV pool by this share")
     p.add_argument("--no-oracle", action="store_true", help="skip the hindsight-oracle reference rows")
     p.add_argument("--matrices-only", action="store_true", help="print only the policy × trace matrices and goals")
     a = p.parse_args(argv)
@@ -76,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         a.gamma_max = min(a.gamma_max, surface.gamma_max)  # a table measured fewer γ than asked
     else:
         surface = roofline(a.gamma_max, 256)
-    config = SimConfig(gamma_max=a.gamma_max, workers=a.workers, noise=a.noise, seed=a.seed)
+    config = SimConfig(gamma_max=a.gamma_max, workers=a.workers, noise=a.noise, seed=a.seed, kv_tokens=a.kv_tokens,
+                       draft_kv_share=a.draft_kv_share)
     acceptance = AcceptanceProcess(surface.acceptance or config.alphas, a.gamma_max)
     policies = []
     for spec in (s for s in a.policies.split(";") if s):

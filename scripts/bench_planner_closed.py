@@ -1,13 +1,13 @@
 """nightjar against every static γ under steady closed-loop load, in the planner's simulator.
 
-    .venv/bin/python scripts/bench_planner_closed.py [--clients 1,4,16,48] [--per-client 300]
+    .venv/bin/python scripts/bench_planner_closed.py [--clients 1,4,16,48,64] [--seeds 1,2,3,4,5,6]
 
 A closed loop of C clients is a saturated queue with the batch capped at C (32-token prompts,
-64-token outputs). Two surfaces: the measured ``cpu_tiny`` (speculation pays at every batch
-size) and the roofline (compute-bound past 16 tokens a pass: γ = 0 wins from batch 16). Prints,
-per surface and C: each policy's tokens/s, nightjar ÷ the best static policy, and nightjar's γ
-switches per 1,000 steps and share of steps at γ > 0 over the second half of the run (after
-warm-up). ±10% step-time noise, seed 1.
+64-token outputs), on the measured ``cpu_tiny`` (speculation pays at every batch) and
+``cpu_serve`` (crossover at 32) surfaces and the roofline (γ = 0 wins from batch 16). Prints,
+per surface and C: each policy's tokens/s (first seed), nightjar ÷ the best static policy (mean
+and range over seeds), and nightjar's most γ switches per 1,000 steps and its share of steps at
+γ > 0 over the second half of the run (after warm-up). ±10% step-time noise.
 """
 
 from __future__ import annotations
@@ -32,33 +32,41 @@ STATIC = ("off", "fixed:1", "fixed:2", "fixed:3", "fixed:4")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", default="1,4,16,48")
-    ap.add_argument("--per-client", type=int, default=300, help="requests per client")
+    ap.add_argument("--per-client", type=int, default=200, help="requests per client")
+    ap.add_argument("--seeds", default="1", help="comma-separated simulation and policy seeds")
+    ap.add_argument("--surfaces", default="cpu_tiny,cpu_serve,roofline")
     a = ap.parse_args(argv)
-    surfaces = {"cpu_tiny": load_table(ROOT / "planner_svc" / "cost_surfaces" / "cpu_tiny.json", max_batch=256),
-                "roofline": roofline(gamma_max=4, max_batch=256)}
+    seeds = [int(x) for x in a.seeds.split(",")]
     print("| surface | clients | " + " | ".join(STATIC) + " | nightjar | ÷ best static | switches / 1,000 steps | γ > 0 share |")
     print("|---|---:|" + "---:|" * (len(STATIC) + 4))
-    for name, surface in surfaces.items():
+    for name in a.surfaces.split(","):
+        surface = (roofline(gamma_max=4, max_batch=256) if name == "roofline"
+                   else load_table(ROOT / "planner_svc" / "cost_surfaces" / f"{name}.json", max_batch=256))
         for c in (int(x) for x in a.clients.split(",")):
             n = c * a.per_client
             trace = Trace(f"closed:{c}", np.zeros(n), np.full(n, 32), np.full(n, 64))
-            cfg = SimConfig(gamma_max=4, max_batch=c, noise=0.1, seed=1, kv_tokens=1 << 17)
-            tps = {p: simulate(trace, make_policy(p, gamma_max=4), surface, cfg).throughput_tps for p in STATIC}
-            policy = make_policy("nightjar", gamma_max=4, seed=1)
-            gammas: list[int] = []
-            update = policy.update
+            ratios, switches, shares = [], [], []
+            for seed in seeds:
+                cfg = SimConfig(gamma_max=4, max_batch=c, noise=0.1, seed=seed, kv_tokens=1 << 17)
+                tps = {p: simulate(trace, make_policy(p, gamma_max=4), surface, cfg).throughput_tps for p in STATIC}
+                policy = make_policy("nightjar", gamma_max=4, seed=seed)
+                gammas: list[int] = []
+                update = policy.update
 
-            def spy(stats, update=update, gammas=gammas):
-                gammas.append(stats.gamma)
-                update(stats)
+                def spy(stats, update=update, gammas=gammas):
+                    gammas.append(stats.gamma)
+                    update(stats)
 
-            policy.update = spy
-            tps["nightjar"] = simulate(trace, policy, surface, cfg).throughput_tps
-            steady = np.array(gammas[len(gammas) // 2:])
-            switches = 1000.0 * np.count_nonzero(np.diff(steady)) / len(steady)
-            best = max(tps[p] for p in STATIC)
-            print(f"| {name} | {c} | " + " | ".join(f"{tps[p]:.0f}" for p in STATIC)
-                  + f" | {tps['nightjar']:.0f} | {tps['nightjar'] / best:.3f} | {switches:.1f} | {(steady > 0).mean():.3f} |")
+                policy.update = spy
+                tps["nightjar"] = simulate(trace, policy, surface, cfg).throughput_tps
+                steady = np.array(gammas[len(gammas) // 2:])
+                switches.append(1000.0 * np.count_nonzero(np.diff(steady)) / len(steady))
+                shares.append((steady > 0).mean())
+                ratios.append(tps["nightjar"] / max(tps[p] for p in STATIC))
+                first = first if seed != seeds[0] else tps
+            spread = f" ({min(ratios):.3f}–{max(ratios):.3f})" if len(ratios) > 1 else ""
+            print(f"| {name} | {c} | " + " | ".join(f"{first[p]:.0f}" for p in STATIC)
+                  + f" | {first['nightjar']:.0f} | {np.mean(ratios):.3f}{spread} | {max(switches):.1f} | {np.mean(shares):.3f} |")
     return 0
 
 
