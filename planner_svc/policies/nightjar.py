@@ -151,9 +151,8 @@ class NightjarPolicy(GammaPolicy):
     probability ε_j = max(ε_min, ε_0/(1+j)) it is instead a short probe bin (bin_base steps) of the cheapest uncertain arm predicted within
     ``probe_margin`` of the greedy one (else a neighbour γ±1). A probe whose predicted extra time
     (its excess loss, plus C when it turns the draft on, or the catch-up of its own steps when it
-    turns the draft off) exceeds ``probe_budget`` of the next bin's
-    time has its probability scaled by (budget/extra)², because at high load its stall also delays
-    every queued request. C = measured ms per catch-up token × batch × lag, summed over workers,
+    turns the draft off) exceeds ``probe_budget`` of the next bin's time has its probability
+    scaled by (budget/extra)², because at high load its stall also delays every queued request. C = measured ms per catch-up token × batch × lag, summed over workers,
     the lag being the γ=0 steps in a row each worker reports (its whole context after a long run).
     So at low load γ>0 keeps being probed and estimates keep refreshing (no deadlock at γ=0), while
     at high load a probe after a long γ=0 run is rare. Never-visited buckets start at the model's
@@ -392,7 +391,7 @@ class NightjarPolicy(GammaPolicy):
             if not near:
                 return None
             # The neighbour played least recently: always the cheaper-looking one would leave the
-            # other's estimate stale for good (γ = 1 overpriced by 15% at batch 48, never retried).
+            # other's estimate stale for good (an overpriced arm is never retried).
             arm = min(near, key=lambda a: tl.last_played[a])
             eps = s.epsilon_min
         # Probe at full rate only while it is cheap: its predicted extra time (worse arm for one

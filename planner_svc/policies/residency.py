@@ -73,8 +73,9 @@ class ResidencyController:
     before it), and the offload gain is the predicted rise in tokens/s from γ = 0 at B' over the
     best γ at B. Offloading is this worker's choice of γ = 0 under memory pressure: it pays when
     the bigger batch at γ = 0 beats speculating at the batch memory allows now, even where
-    speculation still pays a little at B (live, the KV pool capped the batch at 27, just below
-    the crossover, so a rule that waited for γ = 0 at B never offloaded). Where the step is
+    speculation still pays a little at B (live, the KV pool capped the batch just below the
+    crossover, and a rule that waited for γ = 0 at B never offloaded: BENCHMARKS.md, the
+    headline). Where the step is
     compute-bound a bigger batch buys no throughput: it only moves waiting time into slower
     decoding for everyone, so the draft stays. And where speculation would pay again at B' (the
     next bucket up learned a γ > 0), the draft would be reloaded as soon as the batch grew.

@@ -285,8 +285,8 @@ class StepCostModel:
         ``optimistic``: v(n) below the token counts seen is extrapolated at the roofline's
         lowest (proportional to n), not at the fitted slope. At a high batch only γ > 0 may have
         been played, and γ = 0's n = B lies far below every knot; the fitted slope of a narrow
-        range is noise, and once it overpriced γ = 0 at batch 64 by 46% (BENCHMARKS.md, the
-        live planner), so that no probe ever tried it. Probes value arms optimistically."""
+        range is noise, and once it overpriced γ = 0 at batch 64 so far that no probe ever tried
+        it (BENCHMARKS.md, the live planner). Probes value arms optimistically."""
         b = np.asarray(batch_sizes, dtype=float)[:, None]  # [k, 1]
         g, g1 = self._arms(gamma_max)  # [1, G+1] each: γ and γ+1
         b_min, b_max = float(b.min()), float(b.max())
