@@ -40,6 +40,9 @@ class NightjarSettings:
     # A bucket takes its busier neighbour's γ when that is predicted within this of its own best:
     # a batch that hovers at a bucket boundary would otherwise switch γ at every crossing.
     table_margin: float = 0.03
+    # ... and within this when it sees under 1/8 of that bucket's steps: a rare visit saves
+    # little by playing its own γ, and each visit costs two switches (there and back).
+    rare_table_margin: float = 0.10
     probe_budget: float = 0.05  # a probe runs at full rate if it costs <= 5% of the next bin's time
     change_tolerance: float = 0.3
     change_min_tokens: int = 1024  # emitted tokens of exploit bins behind each change test
@@ -60,7 +63,7 @@ class NightjarSettings:
             raise ValueError("need 0 <= epsilon_min <= epsilon0 <= 1")
         if not 0 < self.probe_budget <= 1:
             raise ValueError(f"probe_budget must be in (0, 1], got {self.probe_budget}")
-        if (self.probe_margin < 0 or self.probe_optimism < 0 or self.switch_margin < 0 or self.table_margin < 0 or self.change_tolerance <= 0
+        if (self.probe_margin < 0 or self.probe_optimism < 0 or self.switch_margin < 0 or self.table_margin < 0 or self.rare_table_margin < 0 or self.change_tolerance <= 0
                 or self.initial_gamma < 0):
             raise ValueError("margins must be >= 0, change_tolerance > 0, initial_gamma >= 0")
 
@@ -366,13 +369,15 @@ class NightjarPolicy(GammaPolicy):
 
     def _follow_neighbour(self, tl: _Timeline, bucket: int, loss: np.ndarray, own: int) -> tuple[int, int | None]:
         """(γ, leader): the busier neighbouring bucket's γ and index where its γ costs at most
-        ``table_margin`` here, else (this bucket's own choice, None)."""
+        ``table_margin`` here (``rare_table_margin`` for a rarely visited bucket), else (this
+        bucket's own choice, None)."""
         near = [i for i in (bucket - 1, bucket + 1) if 0 <= i < len(self.timelines)]
         leader = max(near, key=lambda i: self.timelines[i].steps, default=None)
         if leader is None or self.timelines[leader].steps <= tl.steps or self.timelines[leader].follows == bucket:
             return own, None
         ref = self.timelines[leader].exploit_arm
-        if loss[ref] <= loss[own] * (1.0 + self.settings.table_margin):
+        rare = 8 * tl.steps < self.timelines[leader].steps
+        if loss[ref] <= loss[own] * (1.0 + (self.settings.rare_table_margin if rare else self.settings.table_margin)):
             return ref, leader
         return own, None
 
