@@ -224,6 +224,41 @@ async def _publish(stack: Stack, gamma: int, version: int, table: dict[int, int]
         await r.aclose()
 
 
+class KeepPublished:
+    """Hold a bench-published policy in force for a whole run: workers ignore a policy older
+    than their ``policy_ttl_s`` (10 s by default) and fall back to their default γ, so the bench
+    republishes it, as a planner does, every ``every_s`` with a fresh stamp and a higher version."""
+
+    def __init__(self, stack: Stack, gamma: int = 0, table: dict[int, int] | None = None, name: str = "",
+                 every_s: float = 2.0, first_version: int = 1) -> None:
+        self.stack, self.gamma, self.table, self.name, self.every_s = stack, gamma, table, name, every_s
+        self.version = first_version
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> "KeepPublished":
+        await self._publish()
+        self._task = asyncio.create_task(self._loop())
+        await asyncio.sleep(1.5)  # the worker follows the policy channel
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _publish(self) -> None:
+        self.version += 1
+        await _publish(self.stack, self.gamma, self.version, table=self.table, name=self.name)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            await self._publish()
+
+
 async def probe_gamma(stack: Stack, cfg: CompareConfig, bank: PromptBank, gamma_max: int) -> dict:
     """The γ that decodes one request fastest; needs a stack without a planner (it publishes)."""
     out: dict = {"gamma_probe": {}, "notes": []}
@@ -405,13 +440,12 @@ async def _oracle(cmp: Comparison, cfg: CompareConfig, rep: int, bank: PromptBan
             if not table:
                 log(f"oracle: no cell of {plan.spec} had {report.ORACLE_MIN_STEPS} decode steps; skipped")
                 continue
-            await _publish(stack, 0, version=3000 + 100 * rep + k, table=table, name=report.ORACLE)
-            await asyncio.sleep(1.5)  # the worker follows the policy channel
             if not await wait_idle(stack):
                 log(f"oracle: the stack was still busy after 30 s; starting {plan.spec} anyway")
             log(f"oracle (repeat {rep + 1}/{cfg.repeats}): workload {plan.spec}, table {table}")
             speed = speed_probe_ms()
-            result, steps = await run_on_stack(stack, wl, texts, cfg, f"oracle | {plan.spec}")
+            async with KeepPublished(stack, table=table, name=report.ORACLE, first_version=100_000 * (rep * 100 + k + 1)):
+                result, steps = await run_on_stack(stack, wl, texts, cfg, f"oracle | {plan.spec}")
             run = report.summarize(result, steps, warmup_s=wl.warmup_s)
             run.update(policy=report.ORACLE, kind=plan.kind, repeat=rep, loadavg_1m=os.getloadavg()[0], speed_probe_ms=speed,
                        oracle_table=table)

@@ -14,16 +14,17 @@ pytestmark = pytest.mark.slow
 
 def test_bench_runs_against_a_real_stack(tmp_path):
     out, plots_dir = tmp_path / "out", tmp_path / "plots"
-    # Capacity and γ given, so no calibration stack: one stack start, ~8 s of load; then the
-    # hindsight oracle's stack, which can only pick the γ = 2 that fixed:2 measured.
-    rc = main(["--policies", "fixed:G", "--workloads", "poisson:0.5@8", "--capacity-rps", "2", "--fixed-gamma", "2",
+    # Capacity and γ given, so no calibration stack: one stack start, ~14 s of load; then the
+    # hindsight oracle's stack, which can only pick the γ = 2 that fixed:2 measured, and whose
+    # table the bench keeps in force past the workers' 10 s policy TTL.
+    rc = main(["--policies", "fixed:G", "--workloads", "poisson:0.5@14", "--capacity-rps", "1.2", "--fixed-gamma", "2",
                "--drain-timeout-s", "40", "--output-scale", "0.3", "--max-output", "24", "--oracle",
                "--out", str(out), "--plots-dir", str(plots_dir), "--no-progress"])
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
     run, oracle = data["runs"]
     assert oracle["policy"] == "oracle" and set(oracle["oracle_table"].values()) == {2}
-    assert oracle["ok"] == oracle["sent"] >= 1 and oracle["engine"]["spec_step_share"] > 0  # the published table ran
+    assert oracle["ok"] == oracle["sent"] >= 1 and oracle["engine"]["spec_step_share"] >= 0.9  # the published table ran
     assert run["policy"] == "fixed:2" and run["sent"] >= 1
     assert data["config"]["draft_model"].endswith("tiny-draft") and data["config"]["draft_weight_bytes"] > 0
     assert run["ok"] == run["sent"], run["errors"]

@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""nightjar against every static γ in closed loops, paired in time: two stacks stay up side by side.
+
+    .venv/bin/python scripts/bench_closed_ab.py [--clients 1,4,16,48] [--seconds 30] [--rounds 3]
+
+``nightjar bench`` starts a fresh stack per policy, so the policies of one repeat run minutes
+apart; on a shared machine the step time moves by more than the policies differ (BENCHMARKS.md,
+the live planner, third session). Here one stack runs the nightjar planner and stays up for the
+whole run, as a server does; the other has no planner and the bench publishes each static γ to
+it. Each round runs nightjar and every static policy back to back, C clients for ``--seconds``
+after the closed loop's 10 s warm-up, in alternating order. Ratios are taken within a round.
+Prints one table per client count and writes runs/bench/closed_ab-STAMP/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from nightjar_tools.bench import report  # noqa: E402
+from nightjar_tools.bench.compare import (CompareConfig, KeepPublished, WorkloadPlan, _fixed_workload,  # noqa: E402
+                                          _quiet, _Running, run_on_stack, speed_probe_ms, wait_idle)
+from nightjar_tools.bench.workload import PromptBank, build  # noqa: E402
+
+
+def gamma_of(policy: str) -> int:
+    return 0 if policy == "off" else int(policy.split(":", 1)[1])
+
+
+async def run(a: argparse.Namespace, out: Path) -> list[dict]:
+    clients = [int(x) for x in a.clients.split(",")]
+    statics = a.policies.split(",")
+    cfg = CompareConfig(policies=("nightjar",), workloads=(WorkloadPlan(f"closed:{clients[0]}", a.seconds),), out_dir=out,
+                        kv_budget_bytes=a.kv_budget_bytes, progress=False, seed=a.seed)
+    bank, rows, version = PromptBank(), [], 0
+    warm = [bank.text(16, np.random.default_rng(1))] * 2
+    async with _Running(cfg.stack_config("nightjar", out / "logs" / "nightjar")) as learner, \
+            _Running(cfg.stack_config("off", out / "logs" / "static", planner=False)) as static:
+        for stack in (learner, static):
+            await run_on_stack(stack, _fixed_workload(2, 16, 8), warm, _quiet(cfg), "warmup")
+        for c in clients:
+            wl = build(f"closed:{c}", 1.0, a.seconds, seed=a.seed, scale=cfg.scale)
+            texts = bank.texts(wl, a.seed)
+            for rnd in range(a.rounds):
+                order = ["nightjar", *statics]
+                for policy in order if rnd % 2 == 0 else order[::-1]:
+                    stack = learner if policy == "nightjar" else static
+                    await wait_idle(stack)
+                    speed = speed_probe_ms()
+                    if policy == "nightjar":
+                        result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | closed:{c}")
+                    else:
+                        version += 100_000
+                        async with KeepPublished(stack, gamma_of(policy), name=policy, first_version=version):
+                            result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | closed:{c}")
+                    r = report.summarize(result, steps, warmup_s=wl.warmup_s)
+                    rows.append({"clients": c, "round": rnd, "policy": policy, "tokens_per_s": r["tokens_per_s"],
+                                 "ok": r["ok"], "sent": r["sent"], "steps": steps["steps"],
+                                 "gamma_switches": steps["gamma_switches"], "spec_step_share": steps["spec_step_share"],
+                                 "mean_batch": steps["mean_batch"], "speed_probe_ms": speed, "unix": time.time()})
+                    print(f"closed:{c} round {rnd + 1}/{a.rounds} {policy}: {r['tokens_per_s']:.1f} tok/s, "
+                          f"{steps['gamma_switches']} switches / {steps['steps']} steps", file=sys.stderr, flush=True)
+                    (out / "results.json").write_text(json.dumps({"args": vars(a), "runs": rows}, indent=1, default=str))
+    return rows
+
+
+def table(rows: list[dict], statics: list[str]) -> str:
+    lines = ["| clients | " + " | ".join(f"`{p}`" for p in statics) + " | `nightjar` | ÷ best static, per round (median) "
+             "| switches / 1,000 steps |", "|---:|" + "---:|" * (len(statics) + 3)]
+    for c in dict.fromkeys(r["clients"] for r in rows):
+        at = [r for r in rows if r["clients"] == c]
+        mean = {p: statistics.mean(r["tokens_per_s"] for r in at if r["policy"] == p) for p in [*statics, "nightjar"]}
+        ratios = []
+        for rnd in sorted({r["round"] for r in at}):
+            tps = {r["policy"]: r["tokens_per_s"] for r in at if r["round"] == rnd}
+            if "nightjar" in tps and all(p in tps for p in statics):
+                ratios.append(tps["nightjar"] / max(tps[p] for p in statics))
+        nj = [r for r in at if r["policy"] == "nightjar"]
+        switches = 1000 * sum(r["gamma_switches"] for r in nj) / max(sum(r["steps"] for r in nj), 1)
+        lines.append(f"| {c} | " + " | ".join(f"{mean[p]:.0f}" for p in statics) + f" | {mean['nightjar']:.0f} | "
+                     + ", ".join(f"{x:.3f}" for x in ratios) + f" (**{statistics.median(ratios):.3f}**) | {switches:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", default="1,4,16,48")
+    p.add_argument("--policies", default="off,fixed:1,fixed:2,fixed:3,fixed:4", help="the static policies")
+    p.add_argument("--seconds", type=float, default=30.0, help="counted seconds per run, after 10 s of warm-up")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--kv-budget-bytes", type=int, default=256 << 20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    out = a.out or ROOT / "runs" / "bench" / time.strftime("closed_ab-%Y%m%dT%H%M%SZ", time.gmtime())
+    out.mkdir(parents=True, exist_ok=True)
+    rows = asyncio.run(run(a, out))
+    print(table(rows, a.policies.split(",")))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
