@@ -20,6 +20,7 @@ from typing import NoReturn
 
 from nightjar import paths
 from nightjar.service_util import env_defaults, masked
+from planner_svc.config import PlannerConfig
 from nightjar_tools.model_check import check
 from nightjar_tools.model_ref import resolve
 from nightjar_tools.stack import Stack, StackConfig
@@ -50,7 +51,8 @@ def add_stack_args(p: argparse.ArgumentParser, *, port: int, http_port: int | No
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences each worker decodes together")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="each worker's KV cache budget in bytes (default 256 MiB; vLLM's --gpu-memory-utilization has no equivalent)")
-    p.add_argument("--gamma-max", type=int, default=6, help="deepest speculation the policy may choose")
+    p.add_argument("--gamma-max", type=int, default=PlannerConfig.gamma_max,
+                   help="deepest speculation the policy may choose (planner, workers and gateway alike)")
     p.add_argument("--api-key", default=os.environ.get("NIGHTJAR_API_KEY", env.auth_token),
                    help="require 'Authorization: Bearer KEY' on gRPC and HTTP (env NIGHTJAR_API_KEY or "
                         "NIGHTJAR_AUTH_TOKEN; handed to the gateway in its environment, never its argv)")

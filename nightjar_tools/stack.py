@@ -166,7 +166,7 @@ class Stack:
         try:
             self._spawn("scheduler", list(cfg.scheduler_args))
             if cfg.planner and _planner_available():
-                self._spawn("planner", ["--policy", cfg.policy, *cfg.planner_args])
+                self._spawn("planner", self._planner_args())
             for _ in range(cfg.workers):
                 self.add_worker()
             gw = ["--host", cfg.host, "--port", str(self.port), "--target", str(cfg.target_path)]
@@ -183,6 +183,11 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def _planner_args(self) -> list[str]:
+        cfg = self.cfg
+        gamma = ["--gamma-max", str(cfg.gamma_max)] if cfg.gamma_max is not None else []
+        return ["--policy", cfg.policy, *gamma, *cfg.planner_args]
 
     def _gateway_limits(self) -> list[str]:
         cfg, out = self.cfg, []

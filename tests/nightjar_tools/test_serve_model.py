@@ -120,7 +120,7 @@ def test_the_advertised_context_is_the_engines_real_one(tmp_path):
     assert served.context_tokens < max_pos and "KV" in served.why
     engine = Engine(EngineConfig(str(TARGET), str(DRAFT), kv_budget_bytes=small_kv))
     assert engine.max_context_tokens == served.context_tokens
-    cfg = config([str(TARGET), "--draft", str(DRAFT), "--kv-cache-memory-bytes", str(small_kv)], tmp_path)
+    cfg = config([str(TARGET), "--draft", str(DRAFT), "--kv-cache-memory-bytes", str(small_kv), "--gamma-max", "6"], tmp_path)
     assert cfg.context_tokens == served.context_tokens
 
 
@@ -139,6 +139,9 @@ def test_pass_through_flags_reach_the_services(tmp_path):
                           "--gamma-max", "4"]
     gateway = stack._gateway_limits()
     assert gateway[:6] == ["--max-context-tokens", "512", "--max-tokens-limit", "511", "--default-max-tokens", "64"]
+    assert stack._planner_args()[:4] == ["--policy", "nightjar", "--gamma-max", "4"]  # the planner obeys it too
+    deeper = Stack(config([str(TARGET), "--gamma-max", "6", "--policy", "fixed:6"], tmp_path))
+    assert deeper._planner_args()[:4] == ["--policy", "fixed:6", "--gamma-max", "6"]
     assert cfg.api_key == "s3cret" and "s3cret" not in repr(cfg) and cfg.http_port == 0
     assert "s3cret" not in " ".join(worker + gateway)
 
