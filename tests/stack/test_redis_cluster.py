@@ -11,7 +11,7 @@ A real cluster: three local ``redis-server --cluster-enabled yes`` nodes joined 
 ``redis-cli --cluster create``. The lease script runs on it through redis-py's cluster client;
 a stack on one Redis with a tagged prefix has every key it made, mid-request, in one slot (the
 cluster's own ``CLUSTER KEYSLOT``); and a whole stack runs on the cluster itself through a
-``redis+cluster://`` URL (docs/reliability.md, "Redis Cluster").
+``redis+cluster://`` URL and follows its slot to another node (docs/reliability.md, "Redis Cluster").
 """
 
 from __future__ import annotations
@@ -344,3 +344,60 @@ async def test_a_whole_stack_runs_on_a_cluster(cluster):
         logs = "\n".join(svc.log_path.read_text(errors="replace") for svc in stack.services)
     for bad in ("Traceback", "MOVED", "CROSSSLOT", "Redis failed"):
         assert bad not in logs, f"{bad!r} in the services' logs:\n{logs[-4000:]}"
+
+
+def _move_slot(cluster: list[int], slot: int, src_port: int, dst_port: int) -> None:
+    """Reshard one slot the way ``redis-cli --cluster reshard`` does: IMPORTING/MIGRATING, MIGRATE
+    every key (DUMP/RESTORE: streams keep their consumer groups), then the new owner everywhere."""
+    src, dst = redis.Redis(port=src_port), redis.Redis(port=dst_port)
+    try:
+        src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
+        dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+        while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 1000):
+            src.execute_command("MIGRATE", "127.0.0.1", dst_port, "", 0, 5000, "KEYS", *keys)
+        for port in [dst_port, src_port, *(p for p in cluster if p not in (src_port, dst_port))]:
+            node = redis.Redis(port=port)
+            node.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+            node.close()
+    finally:
+        src.close()
+        dst.close()
+
+
+@pytest.mark.slow
+async def test_a_stack_follows_its_slot_to_another_node(cluster):
+    """The stack's slot is resharded to another primary between two requests: every service
+    follows it (MOVED; the gateway's reader asks where the slot is after the error) and the
+    second request streams every token from the new owner."""
+    prefix = f"{{c{uuid.uuid4().hex[:6]}}}"
+    keys = Keys(prefix)
+    before = _owner_port(cluster, keys.policy)
+    after = next(p for p in cluster if p != before)
+    cfg = StackConfig(port=0, workers=1, key_prefix=prefix, worker_threads=1,
+                      redis_url="redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in cluster))
+    with Stack(cfg) as stack:
+        async with AsyncClient(stack.address) as c:
+            async def one(text: str) -> list[int]:
+                toks: list[int] = []
+                async for delta in c.stream(text, max_tokens=16, ignore_eos=True, deadline_s=120):
+                    toks += delta.token_ids
+                return toks
+
+            assert len(await one("The old lighthouse keeper")) == 16
+            slot = int(redis.Redis(port=before).execute_command("CLUSTER KEYSLOT", keys.policy))
+            _move_slot(cluster, slot, before, after)
+            assert _owner_port(cluster, keys.policy) == after
+            assert len(await one("The old lighthouse keeper")) == 16
+            await asyncio.sleep(1.0)  # heartbeats, stats and policy written since the move
+            assert len(await one("A second request")) == 16
+        old, new = redis.Redis(port=before), redis.Redis(port=after)
+        try:
+            assert not list(old.scan_iter(match=f"{prefix}:*", count=1000))
+            assert new.exists(keys.policy) and new.exists(keys.leases)
+            assert all(Heartbeat.decode(new.get(keys.heartbeat(w.decode()))) for w in new.smembers(keys.workers))
+        finally:
+            old.close()
+            new.close()
+        logs = "\n".join(svc.log_path.read_text(errors="replace") for svc in stack.services)
+    assert "Traceback" not in logs, logs[-4000:]
