@@ -49,7 +49,7 @@ class GatewayConfig:
     log_format: str = "text"  # nightjar.service_util.LOG_FORMATS
 
     def __post_init__(self) -> None:
-        check_redis_url(self.redis_url)
+        check_redis_url(self.redis_url, self.key_prefix)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be 0..65535, got {self.port}")
         if not (self.target_path / "tokenizer.json").exists() and not (self.target_path / "tokenizer_config.json").exists():

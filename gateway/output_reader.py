@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 
 from gateway.errors import Unavailable
 from nightjar.messages import MessageError, OutputChunk
+from nightjar.service_util import SlotNode
 
 log = logging.getLogger("gateway")
 
@@ -42,10 +43,14 @@ class OutputReader:
     in the token indices, which the handler answers with UNAVAILABLE too, never with a hole.
     """
 
-    def __init__(self, url_client: aioredis.Redis, reader: aioredis.Redis, block_ms: int, *,
-                 data_mark_key: str, retry_s: float = 10.0) -> None:
-        self._control = url_client  # sends CLIENT UNBLOCK
+    def __init__(self, url_client: aioredis.Redis, reader: aioredis.Redis | None, block_ms: int, *,
+                 data_mark_key: str, retry_s: float = 10.0, pin: SlotNode | None = None) -> None:
+        self._control = url_client  # reads the data mark
         self._reader = reader  # single-connection client: its id is the one to unblock
+        self._unblocker = url_client  # sends CLIENT UNBLOCK, on the reader's node
+        # Redis Cluster: the reader and the unblocker are clients of the node that owns the
+        # stack's slot, asked for again after every error (a failover moves the slot).
+        self._pin = pin
         self._block_ms = block_ms
         self._mark_key = data_mark_key
         self._mark: bytes | None = None  # the data mark of the Redis the cursors belong to
@@ -82,7 +87,7 @@ class OutputReader:
             # Registrations that arrive while an unblock is on its way share it: the reader
             # rebuilds its cursors after the read ends, so one interrupt takes in all of them.
             if self._unblocking is None or self._unblocking.done():
-                self._unblocking = asyncio.ensure_future(self._control.client_unblock(self._reader_id))
+                self._unblocking = asyncio.ensure_future(self._unblocker.client_unblock(self._reader_id))
             try:
                 await asyncio.shield(self._unblocking)
             except Exception:  # Redis trouble: the reader reports it to every queue
@@ -135,6 +140,8 @@ class OutputReader:
                     if not self._streams:
                         continue
                 if self._reader_id is None:
+                    if self._pin is not None:
+                        self._reader, self._unblocker = await self._pin.clients()
                     self._reader_id = int(await self._reader.client_id())
                 cursors = {s: last for s, (last, _q) in self._streams.items()}
                 self._reading, self._in_read = frozenset(cursors), True

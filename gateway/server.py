@@ -22,7 +22,7 @@ from gateway.interceptors import ErrorInterceptor
 from gateway.servicer import InferenceServicer
 from nightjar.dispatch_lease import DirectDispatch
 from nightjar.keys import Keys
-from nightjar.service_util import connect_redis
+from nightjar.service_util import SlotNode, connect_redis, is_cluster_url
 from nightjar.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("gateway")
@@ -59,12 +59,19 @@ class Gateway:
         # must turn the gateway NOT_SERVING quickly, not after a blocking read's margin.
         self._probe = connect_redis(cfg.redis_url, timeout_s=cfg.redis_timeout_s, block_margin_s=cfg.redis_timeout_s)
         self.table = AdmissionTable(cfg.max_streams, cfg.max_queued, cfg.retry_after_ms)
-        # One connection of its own for the shared XREAD, so CLIENT UNBLOCK targets only it.
-        self._reader_redis = aioredis.Redis.from_url(cfg.redis_url, single_connection_client=True,
-                                                     socket_connect_timeout=cfg.redis_timeout_s,
-                                                     socket_timeout=cfg.read_block_ms / 1000 + 5.0)
+        # One connection of its own for the shared XREAD, so CLIENT UNBLOCK targets only it; on
+        # Cluster, on the node that owns the stack's slot (the one all its output streams share).
+        self._reader_redis: aioredis.Redis | None = None
+        self._pin: SlotNode | None = None
+        if is_cluster_url(cfg.redis_url):
+            self._pin = SlotNode(cfg.redis_url, self._redis, self.keys.data_mark, timeout_s=cfg.redis_timeout_s,
+                                 block_margin_s=cfg.read_block_ms / 1000 + 5.0)
+        else:
+            self._reader_redis = aioredis.Redis.from_url(cfg.redis_url, single_connection_client=True,
+                                                         socket_connect_timeout=cfg.redis_timeout_s,
+                                                         socket_timeout=cfg.read_block_ms / 1000 + 5.0)
         self.reader = OutputReader(self._redis, self._reader_redis, cfg.read_block_ms,
-                                   data_mark_key=self.keys.data_mark, retry_s=cfg.redis_outage_s)
+                                   data_mark_key=self.keys.data_mark, retry_s=cfg.redis_outage_s, pin=self._pin)
         direct = DirectDispatch(self._redis, self.keys, cfg.assignment_ttl_s) if cfg.direct_dispatch else None
         self.queue = RequestQueue(self._redis, self.keys, self.reader, cancel_ttl_s=cfg.cancel_ttl_s, direct=direct)
         self.inference = Inference(cfg, self._tokenizer, self.queue, self.table)
@@ -123,7 +130,10 @@ class Gateway:
             self._watch_task.cancel()
         await self.queue.drain_background()
         await self.reader.close()
-        await self._reader_redis.aclose()
+        if self._reader_redis is not None:
+            await self._reader_redis.aclose()
+        if self._pin is not None:
+            await self._pin.aclose()
         await self._redis.aclose()
         await self._probe.aclose()
         self.inference.close()

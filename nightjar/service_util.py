@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -59,10 +60,65 @@ def env_defaults(environ: Mapping[str, str] | None = None) -> EnvDefaults:
     )
 
 
-def check_redis_url(url: str) -> str:
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"redis url must start with redis://, rediss:// (TLS) or unix://, got {url!r}")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")  # Redis Cluster: docs/reliability.md
+_HASH_TAG_PREFIX = re.compile(r"\{[^{}]+\}")  # as nightjar.keys.Keys accepts it
+
+
+def check_redis_url(url: str, key_prefix: str | None = None) -> str:
+    """``url`` if it is one the services can use; with ``key_prefix``, a cluster URL also needs a
+    hash-tag prefix (``{nj}``), since Cluster refuses multi-key commands across slots."""
+    if not url.startswith(REDIS_SCHEMES + CLUSTER_SCHEMES):
+        raise ValueError("redis url must start with redis://, rediss:// (TLS), unix://, or redis+cluster:// / "
+                         f"rediss+cluster:// (Redis Cluster), got {masked(url)!r}")
+    if url.startswith(CLUSTER_SCHEMES):
+        _cluster_url_parts(url)  # refuses a malformed node list now, not at the first connect
+        if key_prefix is not None and not _HASH_TAG_PREFIX.fullmatch(key_prefix):
+            raise ValueError(f"on Redis Cluster the key prefix must be a hash tag such as '{{{key_prefix or 'nj'}}}', "
+                             f"so that every key of the stack is in one slot; got {key_prefix!r}")
     return url
+
+
+def is_cluster_url(url: str) -> bool:
+    """A ``redis+cluster://`` or ``rediss+cluster://`` URL: the services use redis-py's cluster client."""
+    return url.startswith(CLUSTER_SCHEMES)
+
+
+def is_cluster_client(redis) -> bool:
+    """A redis-py cluster client: its pipelines refuse PUBLISH (a command without a key), so a
+    publish that rides in a pipeline on one Redis is sent right after it on Cluster."""
+    from redis.asyncio.cluster import RedisCluster
+
+    return isinstance(redis, RedisCluster)
+
+
+def _cluster_url_parts(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """``redis+cluster://[user:pw@]host:port[,host:port...][/0][?opts]`` -> (a redis:// URL of the
+    first node, for the credentials, TLS and options; every node as (host, port), the seeds)."""
+    scheme, _, rest = url.partition("://")
+    creds, at, hostpart = rest.rpartition("@")
+    cut = min((i for i in (hostpart.find("/"), hostpart.find("?")) if i >= 0), default=len(hostpart))
+    hosts, tail = hostpart[:cut], hostpart[cut:]
+    nodes = []
+    for h in hosts.split(","):
+        host, colon, port = h.strip().rpartition(":")
+        if not colon or not host or not port.isdigit():
+            raise ValueError(f"redis cluster url: each node must be host:port, got {h!r} in {masked(url)!r}")
+        nodes.append((host, int(port)))
+    if tail.split("?", 1)[0] not in ("", "/", "/0"):
+        raise ValueError(f"redis cluster url: Cluster has only database 0, got {masked(url)!r}")
+    base = scheme.removesuffix("+cluster")
+    return f"{base}://{creds}{at}{nodes[0][0]}:{nodes[0][1]}{tail}", nodes
+
+
+def node_url(url: str, host: str, port: int) -> str:
+    """A single-node ``redis://`` (or ``rediss://``) URL of one cluster node, with ``url``'s
+    credentials and options."""
+    first, _ = _cluster_url_parts(url)
+    scheme, _, rest = first.partition("://")
+    creds, at, hostpart = rest.rpartition("@")
+    cut = min((i for i in (hostpart.find("/"), hostpart.find("?")) if i >= 0), default=len(hostpart))
+    return f"{scheme}://{creds}{at}{host}:{port}{hostpart[cut:]}"
 
 
 def masked(url: str) -> str:
@@ -79,17 +135,71 @@ def connect_redis(url: str, *, timeout_s: float = 1.0, block_margin_s: float = 5
 
     ``timeout_s`` bounds connecting, so an unreachable Redis fails fast instead of hanging a
     request; reads may block for ``block_margin_s`` because XREAD BLOCK waits on purpose.
+    A ``redis+cluster://`` URL gives redis-py's cluster client (``RedisCluster``), which follows
+    MOVED/ASK and re-reads the topology after a failover; its API is the same for what the
+    services call, as long as every key of a command shares one slot (a ``{tag}`` key prefix).
     """
-    return aioredis.Redis.from_url(
-        check_redis_url(url),
+    kw = dict(
         socket_connect_timeout=timeout_s,
         socket_timeout=block_margin_s,
         health_check_interval=10,
         # Every streaming request holds a connection in XREAD BLOCK; redis-py 8 turns None into
         # 100, which failed the 101st concurrent stream with "Too many connections". The gateway's
         # stream cap (--max-streams, 1024) is what bounds this; Redis allows 10 000 clients.
+        # (Per node on Cluster.)
         max_connections=MAX_REDIS_CONNECTIONS,
     )
+    if is_cluster_url(check_redis_url(url)):
+        from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+        first, nodes = _cluster_url_parts(url)
+        return RedisCluster.from_url(first, startup_nodes=[ClusterNode(h, p) for h, p in nodes[1:]], **kw)
+    return aioredis.Redis.from_url(url, **kw)
+
+
+def connect_redis_sync(url: str, **kw: Any):
+    """A blocking client for ``url`` (tools and tests): ``redis.Redis``, or ``redis.RedisCluster``
+    for a ``redis+cluster://`` URL."""
+    import redis
+
+    if is_cluster_url(check_redis_url(url)):
+        first, nodes = _cluster_url_parts(url)
+        return redis.RedisCluster.from_url(first, startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in nodes[1:]], **kw)
+    return redis.Redis.from_url(url, **kw)
+
+
+class SlotNode:
+    """On Redis Cluster, single-node clients of the primary that owns ``key``'s slot (the whole
+    stack's slot, given a ``{tag}`` prefix): for what the cluster client cannot route, a blocking
+    read on one connection of its own that another connection interrupts with CLIENT UNBLOCK
+    (gateway.output_reader). ``clients()`` asks the cluster client where the slot is now, so
+    calling it again after an error follows a failover or a resharding."""
+
+    def __init__(self, url: str, cluster, key: str, *, timeout_s: float, block_margin_s: float) -> None:
+        self._url, self._cluster, self._key = url, cluster, key
+        self._timeout_s, self._block_margin_s = timeout_s, block_margin_s
+        self._at: tuple[str, int] | None = None
+        self._clients: tuple[aioredis.Redis, aioredis.Redis] | None = None
+
+    async def clients(self) -> tuple[aioredis.Redis, aioredis.Redis]:
+        """(single-connection reader, pooled control client), both on the slot's primary now."""
+        await self._cluster.initialize()
+        node = self._cluster.get_node_from_key(self._key)
+        at = (node.host, node.port)
+        if self._clients is None or at != self._at:
+            await self.aclose()
+            url = node_url(self._url, *at)
+            reader = aioredis.Redis.from_url(url, single_connection_client=True, socket_connect_timeout=self._timeout_s,
+                                             socket_timeout=self._block_margin_s)
+            control = aioredis.Redis.from_url(url, socket_connect_timeout=self._timeout_s, socket_timeout=self._block_margin_s)
+            self._at, self._clients = at, (reader, control)
+        return self._clients
+
+    async def aclose(self) -> None:
+        if self._clients is not None:
+            for c in self._clients:
+                await c.aclose()
+            self._clients = None
 
 
 REDIS_RETRY_FIRST_S = 0.25
@@ -98,6 +208,9 @@ REDIS_RETRY_MAX_S = 5.0
 
 def redis_where(redis: aioredis.Redis) -> str:
     """host:port (or socket path) of a client, without the password that the URL may hold."""
+    if not hasattr(redis, "connection_pool"):  # RedisCluster: its seed nodes
+        nodes = getattr(getattr(redis, "nodes_manager", None), "startup_nodes", {}) or {}
+        return "cluster " + ",".join(nodes) if nodes else "cluster"
     kw = redis.connection_pool.connection_kwargs
     return kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}"
 
@@ -192,7 +305,7 @@ def service_main(name: Callable[[Any], str] | str, parse_config: Callable[[list[
 def add_common_args(parser, env: EnvDefaults) -> None:
     """The flags every service takes; their defaults come from the environment."""
     parser.add_argument("--redis-url", default=env.redis_url,
-                        help="redis:// or rediss:// (TLS) URL, password inside: pass it as env NIGHTJAR_REDIS_URL, "
+                        help="redis:// or rediss:// (TLS) URL, redis+cluster://host:port[,host:port] for Redis Cluster; password inside: pass it as env NIGHTJAR_REDIS_URL, "
                              "since a command line is visible to every local user")
     parser.add_argument("--key-prefix", default=env.key_prefix, help="prefix of every Redis key (env NIGHTJAR_KEY_PREFIX)")
     parser.add_argument("--log-level", default=env.log_level, help="DEBUG, INFO, WARNING (env NIGHTJAR_LOG_LEVEL)")

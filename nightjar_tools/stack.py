@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nightjar import paths
+from nightjar.service_util import check_redis_url, connect_redis_sync
 from nightjar_tools.redis_server import EmbeddedRedis, free_port
 
 SERVICES = ("scheduler", "planner", "worker", "gateway")
@@ -78,8 +79,11 @@ class StackConfig:
             raise ValueError(f"--port must be 0..65535, got {self.port}")
         if self.metrics_port and not 0 < self.metrics_port <= 65535 - len(METRICS_OFFSETS) - self.workers:
             raise ValueError(f"--metrics-port must leave room for one port per service, got {self.metrics_port}")
-        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"--redis-url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if self.redis_url is not None:
+            try:
+                check_redis_url(self.redis_url, self.key_prefix)
+            except ValueError as exc:
+                raise ValueError(f"--redis-url: {exc}") from None
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"--http-port must be 0..65535, got {self.http_port}")
         if not (self.target_path / "config.json").is_file():
@@ -272,7 +276,7 @@ class Stack:
 
         keys = Keys(self.cfg.key_prefix)
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=1, socket_timeout=2)
+        client = connect_redis_sync(self.redis_url, socket_connect_timeout=1, socket_timeout=2)
         with grpc.insecure_channel(self.address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while True:

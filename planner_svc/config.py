@@ -39,7 +39,7 @@ class PlannerConfig:
     prior_surface: str | None = None
 
     def __post_init__(self) -> None:
-        check_redis_url(self.redis_url)
+        check_redis_url(self.redis_url, self.key_prefix)
         if not self.key_prefix or ":" in self.key_prefix:
             raise ValueError(f"key_prefix must be non-empty and without ':', got {self.key_prefix!r}")
         if not 0 <= self.gamma_max <= 16:

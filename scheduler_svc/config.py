@@ -41,7 +41,7 @@ class SchedulerConfig:
     log_format: str = "text"  # nightjar.service_util.LOG_FORMATS
 
     def __post_init__(self) -> None:
-        check_redis_url(self.redis_url)
+        check_redis_url(self.redis_url, self.key_prefix)
         for name in ("read_count", "read_block_ms", "max_deliveries", "max_attempts", "claim_idle_ms", "dead_letter_maxlen"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

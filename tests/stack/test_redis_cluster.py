@@ -9,9 +9,9 @@ and the scripts declare every key in KEYS.
 
 A real cluster: three local ``redis-server --cluster-enabled yes`` nodes joined by
 ``redis-cli --cluster create``. The lease script runs on it through redis-py's cluster client;
-a whole stack cannot (its services use single-node clients: docs/reliability.md, "Redis
-Cluster"), so the stack runs on one Redis with a tagged prefix and the cluster's own
-``CLUSTER KEYSLOT`` proves that every key it made, mid-request, hashes to one slot.
+a stack on one Redis with a tagged prefix has every key it made, mid-request, in one slot (the
+cluster's own ``CLUSTER KEYSLOT``); and a whole stack runs on the cluster itself through a
+``redis+cluster://`` URL and follows its slot to another node (docs/reliability.md, "Redis Cluster").
 """
 
 from __future__ import annotations
@@ -30,11 +30,21 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from nightjar import dispatch_lease
 from nightjar.dispatch_lease import DirectDispatch, lease_entry
 from nightjar.keys import Keys
-from nightjar.messages import Heartbeat, Job
-from nightjar.service_util import now_ms
+from nightjar.messages import Heartbeat, Job, Policy
+from nightjar.service_util import (
+    SlotNode,
+    check_redis_url,
+    connect_redis,
+    connect_redis_sync,
+    is_cluster_url,
+    masked,
+    node_url,
+    now_ms,
+)
 from nightjar_client import AsyncClient
 from nightjar_tools.redis_server import free_port, redis_server_binary
 from nightjar_tools.stack import Stack, StackConfig
+from scheduler_svc.config import SchedulerConfig
 from tests.conftest import pair
 from worker.service import redis_ops
 
@@ -58,6 +68,26 @@ def test_a_hash_tag_prefix_is_accepted_and_a_broken_one_refused():
     for bad in ("{}", "{nj", "nj}", "a{nj}", "{n}{j}"):
         with pytest.raises(ValueError, match="hash tag"):
             Keys(bad)
+
+
+def test_a_cluster_url_names_seed_nodes_and_needs_a_tagged_prefix():
+    assert is_cluster_url("redis+cluster://h:1") and is_cluster_url("rediss+cluster://h:1")
+    assert not is_cluster_url("redis://h:1/0")
+    assert check_redis_url("redis+cluster://:pw@a:7000,b:7001/0", "{nj}")
+    assert node_url("rediss+cluster://u:pw@a:7000,b:7001/0?ssl_cert_reqs=none", "c", 7002) == \
+        "rediss://u:pw@c:7002/0?ssl_cert_reqs=none"
+    assert masked("redis+cluster://:secret@a:1,b:2") == "redis+cluster://:***@a:1,b:2"
+    with pytest.raises(ValueError, match="hash tag"):
+        check_redis_url("redis+cluster://a:7000", "nj")
+    with pytest.raises(ValueError, match="hash tag"):
+        SchedulerConfig(redis_url="redis+cluster://a:7000", key_prefix="nj")
+    with pytest.raises(ValueError, match="host:port"):
+        check_redis_url("redis+cluster://a/0")
+    with pytest.raises(ValueError, match="database 0"):
+        check_redis_url("redis+cluster://a:7000/2")
+    with pytest.raises(ValueError) as err:
+        check_redis_url("redis+cluster://:secret@a")
+    assert "secret" not in str(err.value)  # the password never shows in the error
 
 
 # --------------------------------------------------------------------------- a real cluster
@@ -198,3 +228,176 @@ async def test_every_key_of_a_running_stack_is_in_one_slot(cluster):
     # Without the tag the same names spread over the cluster: the tag is what holds them together.
     assert len({node.execute_command("CLUSTER KEYSLOT", k.replace(b"{", b"").replace(b"}", b"")) for k in seen}) > 1
     node.close()
+
+
+@pytest.mark.slow
+async def test_the_services_clients_reach_a_cluster_past_a_dead_seed(cluster):
+    """connect_redis / connect_redis_sync with a cluster URL whose first seed is down; SlotNode
+    puts the reader's two connections on the primary that owns the slot."""
+    prefix = f"{{c{uuid.uuid4().hex[:6]}}}"
+    keys = Keys(prefix)
+    url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{cluster[1]}"
+    r = connect_redis(url, timeout_s=1.0)
+    pin = SlotNode(url, r, keys.data_mark, timeout_s=1.0, block_margin_s=5.0)
+    try:
+        assert await r.set(keys.data_mark, b"m") and await r.get(keys.data_mark) == b"m"
+        reader, control = await pin.clients()
+        assert reader.connection_pool.connection_kwargs["port"] == _owner_port(cluster, keys.data_mark)
+        assert await control.get(keys.data_mark) == b"m"  # no MOVED: it is the owner
+        # CLIENT UNBLOCK from the control connection ends the reader's blocking XREAD at once.
+        rid = int(await reader.client_id())
+        read = asyncio.ensure_future(reader.xread({keys.output("x"): b"0-0"}, block=10_000))
+        await asyncio.sleep(0.2)
+        started = time.monotonic()
+        assert await control.client_unblock(rid)
+        assert await read in (None, [], {}) and time.monotonic() - started < 2.0
+        assert (await pin.clients())[0] is reader  # the same node: the same clients
+        sync = connect_redis_sync(url, socket_timeout=2)
+        assert sync.get(keys.data_mark) == b"m"
+        sync.close()
+    finally:
+        await pin.aclose()
+        await r.delete(keys.data_mark)
+        await r.aclose()
+
+
+def _owner_port(cluster: list[int], key: str) -> int:
+    """The port of the primary that owns ``key``'s slot, as the cluster itself says."""
+    node = redis.Redis(port=cluster[0])
+    try:
+        slot = int(node.execute_command("CLUSTER KEYSLOT", key))
+        for start, end, primary, *_replicas in node.execute_command("CLUSTER SLOTS"):
+            if start <= slot <= end:
+                return int(primary[1])
+    finally:
+        node.close()
+    raise AssertionError(f"no node owns the slot of {key}")
+
+
+def _wait_async(check, what: str, timeout_s: float = 30.0):
+    async def run():
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = check()
+            if got:
+                return got
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.2)
+
+    return run()
+
+
+@pytest.mark.slow
+async def test_a_whole_stack_runs_on_a_cluster(cluster):
+    """Gateway, scheduler, planner and worker on a real 3-node cluster through a
+    ``redis+cluster://`` URL whose one seed node does not own the stack's slot: the cluster
+    client finds the owner (MOVED), the gateway's reader pins its XREAD and CLIENT UNBLOCK to
+    that owner, and the planner's policy reaches the worker over Cluster pub/sub."""
+    prefix = f"{{c{uuid.uuid4().hex[:6]}}}"
+    keys = Keys(prefix)
+    owner = _owner_port(cluster, keys.policy)
+    seed = next(p for p in cluster if p != owner)
+    cfg = StackConfig(port=0, workers=1, key_prefix=prefix, redis_url=f"redis+cluster://127.0.0.1:{seed}",
+                      worker_threads=1)  # the shipped default models and policy
+    with Stack(cfg) as stack:
+        async with AsyncClient(stack.address) as c:
+            async def one(i: int) -> list[int]:
+                toks: list[int] = []
+                async for delta in c.stream(f"{i}: The old lighthouse keeper", max_tokens=24, ignore_eos=True,
+                                            deadline_s=120):
+                    toks += delta.token_ids
+                return toks
+
+            # Concurrent streams: the later ones register while the reader's XREAD blocks, so
+            # they are taken in only through CLIENT UNBLOCK on the owner node.
+            results = await asyncio.gather(*(one(i) for i in range(3)))
+        assert [len(t) for t in results] == [24, 24, 24]
+
+        rc = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", seed)])
+        on_owner = redis.Redis(port=owner)
+        try:
+            policy = Policy.decode(await _wait_async(lambda: on_owner.get(keys.policy), "the planner's policy"))
+            (wid,) = [w.decode() for w in on_owner.smembers(keys.workers)]
+            hb = Heartbeat.decode(on_owner.get(keys.heartbeat(wid)))
+            assert hb.worker_id == wid and on_owner.exists(keys.leases)
+            assert Policy.decode(await rc.get(keys.policy)).version == policy.version  # the same key, routed
+            # Every key of the stack lives on the owner node, none elsewhere.
+            for port in cluster:
+                node = redis.Redis(port=port)
+                found = list(node.scan_iter(match=f"{prefix}:*", count=1000))
+                node.close()
+                assert bool(found) == (port == owner), (port, owner, found)
+            # A policy published on another node reaches the worker (Cluster forwards PUBLISH
+            # to every node; the worker follows the channel through the cluster client).
+            newer = Policy(version=policy.version + 1000, unix_ms=now_ms(), ttl_s=600.0,
+                           bucket_upper_bounds=policy.bucket_upper_bounds,
+                           gamma_by_bucket=policy.gamma_by_bucket, residency=policy.residency, name=policy.name,
+                           epoch=policy.epoch)
+            elsewhere = redis.Redis(port=seed)
+            assert elsewhere.publish(keys.policy_channel, newer.encode()) >= 0
+            elsewhere.close()
+            await _wait_async(lambda: Heartbeat.decode(on_owner.get(keys.heartbeat(wid))).policy_version == newer.version,
+                              "the worker to apply the policy published on another node")
+        finally:
+            await rc.aclose()
+            on_owner.close()
+        logs = "\n".join(svc.log_path.read_text(errors="replace") for svc in stack.services)
+    for bad in ("Traceback", "MOVED", "CROSSSLOT", "Redis failed"):
+        assert bad not in logs, f"{bad!r} in the services' logs:\n{logs[-4000:]}"
+
+
+def _move_slot(cluster: list[int], slot: int, src_port: int, dst_port: int) -> None:
+    """Reshard one slot the way ``redis-cli --cluster reshard`` does: IMPORTING/MIGRATING, MIGRATE
+    every key (DUMP/RESTORE: streams keep their consumer groups), then the new owner everywhere."""
+    src, dst = redis.Redis(port=src_port), redis.Redis(port=dst_port)
+    try:
+        src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
+        dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+        while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 1000):
+            src.execute_command("MIGRATE", "127.0.0.1", dst_port, "", 0, 5000, "KEYS", *keys)
+        for port in [dst_port, src_port, *(p for p in cluster if p not in (src_port, dst_port))]:
+            node = redis.Redis(port=port)
+            node.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+            node.close()
+    finally:
+        src.close()
+        dst.close()
+
+
+@pytest.mark.slow
+async def test_a_stack_follows_its_slot_to_another_node(cluster):
+    """The stack's slot is resharded to another primary between two requests: every service
+    follows it (MOVED; the gateway's reader asks where the slot is after the error) and the
+    second request streams every token from the new owner."""
+    prefix = f"{{c{uuid.uuid4().hex[:6]}}}"
+    keys = Keys(prefix)
+    before = _owner_port(cluster, keys.policy)
+    after = next(p for p in cluster if p != before)
+    cfg = StackConfig(port=0, workers=1, key_prefix=prefix, worker_threads=1,
+                      redis_url="redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in cluster))
+    with Stack(cfg) as stack:
+        async with AsyncClient(stack.address) as c:
+            async def one(text: str) -> list[int]:
+                toks: list[int] = []
+                async for delta in c.stream(text, max_tokens=16, ignore_eos=True, deadline_s=120):
+                    toks += delta.token_ids
+                return toks
+
+            assert len(await one("The old lighthouse keeper")) == 16
+            slot = int(redis.Redis(port=before).execute_command("CLUSTER KEYSLOT", keys.policy))
+            _move_slot(cluster, slot, before, after)
+            assert _owner_port(cluster, keys.policy) == after
+            assert len(await one("The old lighthouse keeper")) == 16
+            await asyncio.sleep(1.0)  # heartbeats, stats and policy written since the move
+            assert len(await one("A second request")) == 16
+        old, new = redis.Redis(port=before), redis.Redis(port=after)
+        try:
+            assert not list(old.scan_iter(match=f"{prefix}:*", count=1000))
+            assert new.exists(keys.policy) and new.exists(keys.leases)
+            assert all(Heartbeat.decode(new.get(keys.heartbeat(w.decode()))) for w in new.smembers(keys.workers))
+        finally:
+            old.close()
+            new.close()
+        logs = "\n".join(svc.log_path.read_text(errors="replace") for svc in stack.services)
+    assert "Traceback" not in logs, logs[-4000:]

@@ -52,7 +52,7 @@ class WorkerServiceConfig:
     served_model_name: str = ""  # the gateway's name for the model; "" = the target folder's name
 
     def __post_init__(self) -> None:
-        check_redis_url(self.redis_url)
+        check_redis_url(self.redis_url, self.key_prefix)
         if not self.worker_id or any(c in self.worker_id for c in ": \t\n*"):
             raise ValueError(f"worker_id must be non-empty without ':', '*' or spaces, got {self.worker_id!r}")
         if self.heartbeat_ttl_s < 2 * self.heartbeat_interval_s:
