@@ -2,14 +2,17 @@
 
     .venv/bin/python scripts/bench_planner_closed.py [--clients 1,4,16,48] [--per-client 300]
 
-Per cost surface and number of clients: each policy's tokens/s, nightjar ÷ the best static
-policy, and how often nightjar switches γ. The setup: ``main``.
+A closed loop of C clients is a saturated queue with the batch capped at C (32-token prompts,
+64-token outputs). Two surfaces: the measured ``cpu_tiny`` (speculation pays at every batch
+size) and the roofline (compute-bound past 16 tokens a pass: γ = 0 wins from batch 16). Prints,
+per surface and C: each policy's tokens/s, nightjar ÷ the best static policy, and nightjar's γ
+switches per 1,000 steps and share of steps at γ > 0 over the second half of the run (after
+warm-up). ±10% step-time noise, seed 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 from pathlib import Path
 
@@ -27,14 +30,7 @@ STATIC = ("off", "fixed:1", "fixed:2", "fixed:3", "fixed:4")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """A closed loop of C clients is a saturated queue with the batch capped at C (32-token prompts,
-    64-token outputs). Two surfaces: the measured ``cpu_tiny`` (speculation pays at every batch
-    size) and the roofline (compute-bound past 16 tokens a pass: γ = 0 wins from batch 16). Prints,
-    per surface and C: each policy's tokens/s, nightjar ÷ the best static policy, and nightjar's γ
-    switches per 1,000 steps and share of steps at γ > 0 over the second half of the run (after
-    warm-up). ±10% step-time noise, seed 1."""
-    ap = argparse.ArgumentParser(description=__doc__, epilog=inspect.getdoc(main),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", default="1,4,16,48")
     ap.add_argument("--per-client", type=int, default=300, help="requests per client")
     a = ap.parse_args(argv)
