@@ -1,33 +1,10 @@
 """Direct dispatch: the gateway puts a job straight into a worker's inbox under the scheduler's lease.
 
-Through the scheduler a job waits for one more process to wake, read it and write it on: it
-reaches the worker's inbox ~0.85 ms later, and the scheduler spends ~1 ms of CPU on every
-request (BENCHMARKS.md "Pipeline overhead"; on the 2-core VM the end-to-end TTFT gained only
-0.1-0.2 ms, the worker then sharing the CPU with the gateway). So the scheduler, still the one
-that decides who may take work, publishes a lease table instead: every ``heartbeat_check_s``
-it writes each live worker's max_running and free KV blocks from its heartbeat, with a short
-TTL. The gateway's enqueue is one script that
-
-- falls back to the requests stream (and so to the scheduler) when jobs are already waiting
-  there (first come, first served), when there is no table (no scheduler for a TTL), or when
-  no worker in it still has a heartbeat key that is not draining (the table is up to a check
-  old, and a worker that got SIGTERM since must get nothing new: the script reads the flag
-  from the heartbeat itself);
-- otherwise picks the worker the scheduler would (scheduler_svc.capacity: the tightest of free
-  slots and free KV, ties to more free KV blocks, then the larger id), with the slots counted
-  live from the worker's assignment set rather than from its last heartbeat;
-- writes what the scheduler's own dispatch writes (inbox entry, assignment hash with its TTL,
-  the worker's assignment set), so re-dispatch after a worker dies, cancels and the worker's
-  bookkeeping treat a leased job exactly like a scheduled one.
-
-Every key the script touches is declared in KEYS, as Redis Cluster requires: the gateway
-passes the heartbeat, assignment set and inbox of each worker it last saw in the table, and a
-table that names another worker makes the script write nothing and return the table's
-workers, so the next call declares them (one extra round trip per change of the worker set).
-On Cluster all of them must also share one slot: a stack's key prefix is then a hash tag
-(``{nj}``, nightjar.keys), which is what the scheduler's MULTI blocks, the worker's output
-script and the gateway's one XREAD over many output streams need too (docs/reliability.md,
-"Redis Cluster").
+Through the scheduler a job waits for one more process to wake, read it and write it on, and the
+scheduler spends CPU on every request (BENCHMARKS.md, "Pipeline overhead"). So the scheduler,
+still the one that decides who may take work, publishes a lease table of the live workers'
+capacity instead, and the gateway's one enqueue script picks a worker from it or falls back to
+the requests stream (``DirectDispatch``).
 """
 
 from __future__ import annotations
@@ -90,7 +67,32 @@ def lease_entry(hb: Heartbeat) -> str:
 
 
 class DirectDispatch:
-    """The gateway's enqueue: one script call that leases a worker or queues the job."""
+    """The gateway's enqueue: one script call that leases a worker or queues the job.
+
+    Every ``heartbeat_check_s`` the scheduler writes each live worker's max_running and free KV
+    blocks from its heartbeat to the lease table, with a short TTL (``lease_entry``). The script
+
+    - falls back to the requests stream (and so to the scheduler) when jobs are already waiting
+      there (first come, first served), when there is no table (no scheduler for a TTL), or when
+      no worker in it still has a heartbeat key that is not draining (the table is up to a check
+      old, and a worker that got SIGTERM since must get nothing new: the script reads the flag
+      from the heartbeat itself);
+    - otherwise picks the worker the scheduler would (scheduler_svc.capacity: the tightest of free
+      slots and free KV, ties to more free KV blocks, then the larger id), with the slots counted
+      live from the worker's assignment set rather than from its last heartbeat;
+    - writes what the scheduler's own dispatch writes (inbox entry, assignment hash with its TTL,
+      the worker's assignment set), so re-dispatch after a worker dies, cancels and the worker's
+      bookkeeping treat a leased job exactly like a scheduled one.
+
+    Every key the script touches is declared in KEYS, as Redis Cluster requires: the gateway
+    passes the heartbeat, assignment set and inbox of each worker it last saw in the table, and a
+    table that names another worker makes the script write nothing and return the table's
+    workers, so the next call declares them (one extra round trip per change of the worker set).
+    On Cluster all of them must also share one slot: a stack's key prefix is then a hash tag
+    (``{nj}``, nightjar.keys), which is what the scheduler's MULTI blocks, the worker's output
+    script and the gateway's one XREAD over many output streams need too (docs/reliability.md,
+    "Redis Cluster").
+    """
 
     def __init__(self, redis, keys: Keys, assignment_ttl_s: float) -> None:
         self._redis = redis

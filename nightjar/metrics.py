@@ -1,19 +1,11 @@
 """Prometheus metrics for every Nightjar service, named as vLLM users know them (``nightjar_``).
 
-One module-level ``REGISTRY`` per process, exposed by ``serve(port)`` at ``/metrics``. The
-families are defined here, unregistered; each service calls ``use(role, model_name)`` once, which
-registers only that role's families (plus ``process_*``), so a scrape of the scheduler does not
-show a TTFT histogram that nothing will ever fill. Several roles in one process (tests) share
-the endpoint.
-
-``model_name`` labels the request and engine families, as in vLLM, so one Prometheus can tell
-apart stacks serving different models. docs/metrics.md lists every name and the relabel rule that
-maps them onto vLLM's dashboards.
-
+The families are defined here, unregistered; each service registers only its role's families
+(``use``), so a scrape of the scheduler does not show a TTFT histogram nothing will ever fill.
 Label values come only from fixed sets (finish reasons, move directions, draft positions,
-residency states), so a misbehaving caller cannot blow up the series count.
-
-Units are in the names (``_seconds``, ``_bytes``, ``_perc`` is a 0-1 fraction as in vLLM).
+residency states), so a misbehaving caller cannot blow up the series count. Units are in the
+names (``_seconds``, ``_bytes``; ``_perc`` is a 0-1 fraction as in vLLM). docs/metrics.md lists
+every name and the relabel rule that maps them onto vLLM's dashboards.
 """
 
 from __future__ import annotations
@@ -120,8 +112,10 @@ _model_name = ""
 def use(role: str, model_name: str = "") -> None:
     """Register ``role``'s families and the process collector in REGISTRY (idempotent).
 
-    ``model_name`` is the label value of the request and engine series; the first non-empty
-    name a process gives is kept, since one process serves one model.
+    One ``REGISTRY`` per process, exposed by ``serve(port)`` at ``/metrics``; several roles in one
+    process (tests) share it. ``model_name`` labels the request and engine series, as in vLLM, so
+    one Prometheus can tell apart stacks serving different models; the first non-empty name a
+    process gives is kept, since one process serves one model.
     """
     global _model_name
     if role not in ROLES:

@@ -2,23 +2,15 @@
 
     .venv/bin/python scripts/bench_engine.py [--concurrency 1,4,16,64] [--threads 1] [--profile]
 
-Workload: held-out prompts (models/prompts.jsonl, cut to --prompt-tokens) with mixed output
-lengths (cycling --lengths), EOS ignored so every system produces exactly the same tokens.
-For each concurrency c:
-  engine       c requests in flight (closed loop: a finished one is replaced at once)
-  hf-single    transformers generate(do_sample=False), one request at a time
-  hf-padded    transformers generate on left-padded batches of c (a batch runs to its longest
-               request; only the requested tokens count)
-Tokens/s = requested completion tokens / wall seconds, prefill included for everyone. The box
-is shared, so both sides are measured under the same load: at c = 1 engine and transformers
-alternate request by request; at c > 1 each runs --reps times, alternating, best kept.
---profile adds the batch-1 decode breakdown (cProfile) and the physical floor (bytes a decode
-step must stream / measured read bandwidth).
+The same held-out prompts and output lengths (EOS ignored) through the engine, through
+transformers one request at a time and on padded batches: tokens/s per concurrency, both sides
+under the same machine load. The method: ``main``.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import time
@@ -133,7 +125,20 @@ def profile_batch1(eng: Engine, work) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """Workload: held-out prompts (models/prompts.jsonl, cut to --prompt-tokens) with mixed output
+    lengths (cycling --lengths), EOS ignored so every system produces exactly the same tokens.
+    For each concurrency c:
+      engine       c requests in flight (closed loop: a finished one is replaced at once)
+      hf-single    transformers generate(do_sample=False), one request at a time
+      hf-padded    transformers generate on left-padded batches of c (a batch runs to its longest
+                   request; only the requested tokens count)
+    Tokens/s = requested completion tokens / wall seconds, prefill included for everyone. The box
+    is shared, so both sides are measured under the same load: at c = 1 engine and transformers
+    alternate request by request; at c > 1 each runs --reps times, alternating, best kept.
+    --profile adds the batch-1 decode breakdown (cProfile) and the physical floor (bytes a decode
+    step must stream / measured read bandwidth)."""
+    ap = argparse.ArgumentParser(description=__doc__, epilog=inspect.getdoc(main),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(paths.DEFAULT_TARGET))
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--threads", type=int, default=1)

@@ -2,16 +2,9 @@
 
     .venv/bin/python scripts/bench_http.py [--rounds 3] [--max-tokens 32] [--concurrency 1 32]
 
-One stack (shipped pair, policy ``off`` unless --policy says otherwise, so γ does not drift
-between rounds) serves both front ends. Rounds are interleaved (gRPC, HTTP, then HTTP, gRPC
-...) so that load from elsewhere hits both alike. Every stream is a greedy completion of
-exactly ``--max-tokens`` tokens (ignore_eos). Clients: grpc.aio for gRPC (its C core); for
-HTTP ``--client raw`` (default) writes a prebuilt HTTP/1.1 request on a kept-alive socket and
-reads the chunked SSE itself, and ``--client httpx`` uses httpx. The raw client costs about
-what grpc.aio's does per stream; httpx's own Python per request and per chunk, run for 32
-streams on the event loop that also times them, shows up as TTFT of the server's. TTFT is
-client-side (request sent -> first token); tokens/s is all completion tokens of a round over
-its wall time. Prints a markdown table.
+One stack serves both front ends, in interleaved rounds so that load from elsewhere hits both
+alike; prints a markdown table. The method, and why the default HTTP client is a raw socket:
+``main``.
 """
 
 from __future__ import annotations
@@ -174,6 +167,16 @@ async def run(a: argparse.Namespace, stack) -> list[str]:
 
 
 def main() -> int:
+    """One stack (shipped pair, policy ``off`` unless --policy says otherwise, so γ does not drift
+    between rounds) serves both front ends. Rounds are interleaved (gRPC, HTTP, then HTTP, gRPC
+    ...) so that load from elsewhere hits both alike. Every stream is a greedy completion of
+    exactly ``--max-tokens`` tokens (ignore_eos). Clients: grpc.aio for gRPC (its C core); for
+    HTTP ``--client raw`` (default) writes a prebuilt HTTP/1.1 request on a kept-alive socket and
+    reads the chunked SSE itself, and ``--client httpx`` uses httpx. The raw client costs about
+    what grpc.aio's does per stream; httpx's own Python per request and per chunk, run for 32
+    streams on the event loop that also times them, shows up as TTFT of the server's. TTFT is
+    client-side (request sent -> first token); tokens/s is all completion tokens of a round over
+    its wall time."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32)

@@ -2,17 +2,14 @@
 
     .venv/bin/python scripts/bench_linear.py [--model models/serve-target] [--rows 1,2,4,...] [--repeats 5]
 
-One "step" is every weight matrix of the model (each layer's qkv, o, gate_up, down, and the head)
-applied once to an [M, in] activation, as a decode/verify step does. Prints a markdown table of
-ms per step for each path, beside two floors measured on this machine: the weight bytes divided
-by the measured read bandwidth of one core, and the FLOPs divided by the measured peak of one
-core (a large in-cache matmul). Single-threaded, as a worker runs on these 2-core machines.
-Paths are interleaved within each repeat and the median is reported.
+Prints ms per decode/verify step for each path beside the weight-bandwidth and FLOP floors
+measured on this machine, so each path's distance from the hardware shows. The method: ``main``.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import sys
 import time
@@ -61,7 +58,14 @@ def peak_gflops() -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """One "step" is every weight matrix of the model (each layer's qkv, o, gate_up, down, and the head)
+    applied once to an [M, in] activation, as a decode/verify step does. Prints a markdown table of
+    ms per step for each path, beside two floors measured on this machine: the weight bytes divided
+    by the measured read bandwidth of one core, and the FLOPs divided by the measured peak of one
+    core (a large in-cache matmul). Single-threaded, as a worker runs on these 2-core machines.
+    Paths are interleaved within each repeat and the median is reported."""
+    ap = argparse.ArgumentParser(description=__doc__, epilog=inspect.getdoc(main),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=paths.DEFAULT_TARGET)
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512")
     ap.add_argument("--repeats", type=int, default=5)

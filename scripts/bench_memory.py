@@ -2,27 +2,16 @@
 
     .venv/bin/python scripts/bench_memory.py [--requests 100] [--draft-share 0.6] [--plot docs/memory_timeline.png]
 
-1. Transfer: offload and reload of the draft's weights — copy time, bytes, bandwidth as a
-   fraction of one plain tensor copy of the same size on the same device (the physical
-   limit), and the whole pause on the engine thread (copy + pool reallocation).
-2. Capacity: target KV blocks and concurrent sequences with the draft resident vs offloaded,
-   against the prediction (draft weights + draft pool) ÷ bytes per target block.
-3. Overload: a KV budget sized so the draft's weights are ``--draft-share`` of the KV pool
-   (the paper's 8B + 1B on a 24 GB card frees ~60% more KV space). Poisson arrivals at
-   ``--overload`` x what the resident pool sustains (decode tok/s with the pool full, measured
-   first); two engines run the same arrivals side by side:
-     resident: draft kept on the device, speculation off (γ = 0);
-     elastic:  speculation at low batch (γ table), a PressureRule offloads under sustained
-               pressure and reloads when it falls.
-   Time is virtual: each engine's clock advances by its own measured step times, and the
-   engine whose clock is behind steps next, so machine noise falls on both alike.
-4. Ramp: low -> high -> low load on the elastic engine, for the timeline plot (batch size,
-   KV blocks total / used, residency, TTFT).
+Four parts: what moving the draft costs, the KV capacity it frees, an overload in which an
+elastic engine (speculation at low batch, offload under pressure) runs the same arrivals as one
+that keeps the draft resident with speculation off, and a load ramp for the timeline plot.
+The method: ``main``.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import random
 import statistics
@@ -288,7 +277,24 @@ def plot(path: Path, elastic: Driver, resident: Driver, share: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """1. Transfer: offload and reload of the draft's weights — copy time, bytes, bandwidth as a
+       fraction of one plain tensor copy of the same size on the same device (the physical
+       limit), and the whole pause on the engine thread (copy + pool reallocation).
+    2. Capacity: target KV blocks and concurrent sequences with the draft resident vs offloaded,
+       against the prediction (draft weights + draft pool) ÷ bytes per target block.
+    3. Overload: a KV budget sized so the draft's weights are ``--draft-share`` of the KV pool
+       (the paper's 8B + 1B on a 24 GB card frees ~60% more KV space). Poisson arrivals at
+       ``--overload`` x what the resident pool sustains (decode tok/s with the pool full, measured
+       first); two engines run the same arrivals side by side:
+         resident: draft kept on the device, speculation off (γ = 0);
+         elastic:  speculation at low batch (γ table), a PressureRule offloads under sustained
+                   pressure and reloads when it falls.
+       Time is virtual: each engine's clock advances by its own measured step times, and the
+       engine whose clock is behind steps next, so machine noise falls on both alike.
+    4. Ramp: low -> high -> low load on the elastic engine, for the timeline plot (batch size,
+       KV blocks total / used, residency, TTFT)."""
+    ap = argparse.ArgumentParser(description=__doc__, epilog=inspect.getdoc(main),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(paths.DEFAULT_TARGET))
     ap.add_argument("--draft", default=str(paths.DEFAULT_DRAFT))
     ap.add_argument("--draft-share", type=float, default=0.6, help="draft weight bytes as a share of the KV pool")

@@ -3,22 +3,8 @@
     .venv/bin/python scripts/bench_pipeline.py [--streams 32] [--max-tokens 32] [--rounds 3]
     .venv/bin/python scripts/bench_pipeline.py --hops 40     # where the added TTFT goes
 
-One run, side by side, alternating engine and stack rounds so that load from elsewhere hits
-both alike; the engine side runs in a bare child process of its own, like a worker's:
-- TTFT: single requests one at a time; the stack's time to first token (client-side, gRPC
-  over loopback) minus the engine's (add_request -> first token, same thread). p50 of the
-  difference is the pipeline's added TTFT (goal <= 5 ms).
-- Throughput: ``--streams`` concurrent greedy streams of exactly ``--max-tokens`` tokens
-  (ignore_eos); completion tokens per second through the stack / in-process (goal >= 0.95).
-Both sides run the same engine settings (γ policy, torch threads) on the shipped models.
-``--compare-dispatch N`` instead runs two stacks, with and without direct dispatch, round for
-round; ``--neighbour-load N`` runs the engine alone on one core next to different loads on the
-other (what the stack's other processes cost it through shared cache and memory).
-``--hops N`` instead times N sequential 1-token requests hop by hop, from the client's clock and
-Redis ``MONITOR`` timestamps (same machine, same clock): client -> job queued (gateway),
--> job in the worker's inbox (scheduler; 0 when the gateway dispatched it directly under the
-scheduler's lease), -> first output chunk written (worker, engine step included), -> first
-token at the client (gateway and gRPC back). ``--via-scheduler`` turns direct dispatch off.
+What the stack adds to TTFT (goal <= 5 ms) and what it keeps of the engine's throughput (goal
+>= 0.95), in rounds that alternate so load from elsewhere hits both alike. The modes: ``main``.
 """
 
 from __future__ import annotations
@@ -377,6 +363,22 @@ def neighbour_load(a: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """One run, side by side, alternating engine and stack rounds so that load from elsewhere hits
+    both alike; the engine side runs in a bare child process of its own, like a worker's:
+    - TTFT: single requests one at a time; the stack's time to first token (client-side, gRPC
+      over loopback) minus the engine's (add_request -> first token, same thread). p50 of the
+      difference is the pipeline's added TTFT (goal <= 5 ms).
+    - Throughput: ``--streams`` concurrent greedy streams of exactly ``--max-tokens`` tokens
+      (ignore_eos); completion tokens per second through the stack / in-process (goal >= 0.95).
+    Both sides run the same engine settings (γ policy, torch threads) on the shipped models.
+    ``--compare-dispatch N`` instead runs two stacks, with and without direct dispatch, round for
+    round; ``--neighbour-load N`` runs the engine alone on one core next to different loads on the
+    other (what the stack's other processes cost it through shared cache and memory).
+    ``--hops N`` instead times N sequential 1-token requests hop by hop, from the client's clock and
+    Redis ``MONITOR`` timestamps (same machine, same clock): client -> job queued (gateway),
+    -> job in the worker's inbox (scheduler; 0 when the gateway dispatched it directly under the
+    scheduler's lease), -> first output chunk written (worker, engine step included), -> first
+    token at the client (gateway and gRPC back). ``--via-scheduler`` turns direct dispatch off."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=32)

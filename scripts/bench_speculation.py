@@ -3,20 +3,15 @@
 
     .venv/bin/python scripts/bench_speculation.py [--batches 1,2,4,8,16,32,64] [--gamma-max 6]
 
-For each batch size B: B held-out prompts are prefilled, then rounds of γ = 0..γmax blocks of
---steps decode steps run in turn (round robin, so context growth and machine noise fall on
-every γ alike); batches smaller than --min-prompts repeat this with the next prompts. The first step of each block is discarded from the step times (it carries the
-catch-up when γ was 0 before); the catch-ups are recorded separately and fitted as
-catchup_ms = fixed + per_token * tokens. Step time per cell = interquartile mean (the box is
-shared); tokens/s = mean tokens per step / that step time. Greedy decoding, EOS ignored.
-
 Writes planner_svc/cost_surfaces/cpu_NAME.json (the planner's simulator input and prior; format
 in BENCHMARKS.md) and benchmarks/speculation_tokens_per_s_NAME.png, NAME from the target folder.
+The method: ``main``.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import platform
 import sys
@@ -98,7 +93,15 @@ def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """For each batch size B: B held-out prompts are prefilled, then rounds of γ = 0..γmax blocks of
+    --steps decode steps run in turn (round robin, so context growth and machine noise fall on
+    every γ alike); batches smaller than --min-prompts repeat this with the next prompts. The first
+    step of each block is discarded from the step times (it carries the catch-up when γ was 0
+    before); the catch-ups are recorded separately and fitted as
+    catchup_ms = fixed + per_token * tokens. Step time per cell = interquartile mean (the box is
+    shared); tokens/s = mean tokens per step / that step time. Greedy decoding, EOS ignored."""
+    ap = argparse.ArgumentParser(description=__doc__, epilog=inspect.getdoc(main),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(paths.DEFAULT_TARGET))
     ap.add_argument("--draft", default=str(paths.DEFAULT_DRAFT))
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")

@@ -2,18 +2,15 @@
 
     .venv/bin/python scripts/check_acceptance.py --prompts 64 --new-tokens 64 --timing
 
-For each held-out prompt the target decodes greedily (transformers, KV cache); the draft then
-reads prompt + continuation in one teacher-forced pass. With greedy acceptance, a proposal the
-target accepts equals the target's own token, so the draft's k-th proposal in a block is exactly
-its teacher-forced argmax at that position: one match vector per prompt gives the per-token
-agreement and, by replaying blocks of γ, the acceptance of speculative decoding for every γ
-(accepted tokens per block, and per-position acceptance rate P(k-th accepted | first k-1 were)).
-Importable: tests call measure_acceptance() on a small sample.
+Per-token agreement and, for every γ, the acceptance of greedy speculative decoding, from one
+teacher-forced draft pass per prompt. The method: ``measure_acceptance``, which tests call on a
+small sample.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import random
 import sys
@@ -126,6 +123,12 @@ def load_pair(target_dir: Path, draft_dir: Path) -> tuple[PreTrainedModel, PreTr
 def measure_acceptance(target_dir: Path = paths.DEFAULT_TARGET, draft_dir: Path = paths.DEFAULT_DRAFT,
                        prompts_path: Path = ROOT / "models" / "prompts.jsonl", n_prompts: int = 8,
                        new_tokens: int = 32, seed: int = 0) -> AcceptanceReport:
+    """For each held-out prompt the target decodes greedily (transformers, KV cache); the draft then
+    reads prompt + continuation in one teacher-forced pass. With greedy acceptance, a proposal the
+    target accepts equals the target's own token, so the draft's k-th proposal in a block is exactly
+    its teacher-forced argmax at that position: one match vector per prompt gives the per-token
+    agreement and, by replaying blocks of γ, the acceptance of speculative decoding for every γ
+    (accepted tokens per block, and per-position acceptance rate P(k-th accepted | first k-1 were))."""
     tok = AutoTokenizer.from_pretrained(target_dir)
     target, draft = load_pair(target_dir, draft_dir)
     prompts = read_prompts(prompts_path)
@@ -149,7 +152,8 @@ def format_report(r: AcceptanceReport) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, epilog=inspect.getdoc(measure_acceptance),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, default=paths.DEFAULT_TARGET)
     ap.add_argument("--draft", type=Path, default=paths.DEFAULT_DRAFT)
     ap.add_argument("--prompt-file", type=Path, default=ROOT / "models" / "prompts.jsonl")

@@ -2,22 +2,7 @@
 
     .venv/bin/python scripts/device_check_cuda.py [--draft-gb 2.0] [--json out.json]
 
-Checks (each prints PASS / FAIL / WARN / SKIP; the exit code is 1 if any FAIL):
-  1. pinned:    the host buffers of an offloaded draft are pinned (page-locked) memory.
-  2. async:     start_offload / start_reload return before the copy is done (the copy runs on
-                a side stream; the engine only polls an event).
-  3. overlap:   a decode loop keeps stepping while a large draft (--draft-gb, synthetic
-                Llama-shaped weights) moves in paced chunks; the median step during the move
-                stays within 1.5x of a plain step (the loop never waited on the copy).
-  4. bandwidth: offload / reload GB/s against one plain pinned copy of the same bytes.
-  5. freed:     torch.cuda.memory_allocated drops by the draft's bytes after an offload and
-                comes back after the reload; the KV resize's transient peak is reported.
-  6. identity:  greedy outputs of 16 concurrent requests with offload/reload cycles issued
-                mid-generation (speculation on) vs the same engine decoding plainly.
-  7. stalls:    decode steps over 3x the median while sequences grow, with cuDNN's attention
-                backend on (torch's choice) and off. On an H200 a ~45 ms step came every 16
-                steps (8-step-ish otherwise), i.e. at each new KV length (block size 16): the
-                suspect is a per-shape plan build in cuDNN's SDPA. This check tells.
+Seven checks (``main``), each printing PASS / FAIL / WARN / SKIP; the exit code is 1 if any FAIL.
 Without CUDA the CUDA-only checks say SKIP and the same code paths run on the CPU with a small
 synthetic draft, so the script itself is tested anywhere. Writes a JSON summary to --json, or
 to $OUT/device_check.json when $OUT is set (the device tool's output folder).
@@ -26,6 +11,7 @@ to $OUT/device_check.json when $OUT is set (the device tool's output folder).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -260,7 +246,25 @@ def check_identity(args, device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """Checks:
+      1. pinned:    the host buffers of an offloaded draft are pinned (page-locked) memory.
+      2. async:     start_offload / start_reload return before the copy is done (the copy runs on
+                    a side stream; the engine only polls an event).
+      3. overlap:   a decode loop keeps stepping while a large draft (--draft-gb, synthetic
+                    Llama-shaped weights) moves in paced chunks; the median step during the move
+                    stays within 1.5x of a plain step (the loop never waited on the copy).
+      4. bandwidth: offload / reload GB/s against one plain pinned copy of the same bytes.
+      5. freed:     torch.cuda.memory_allocated drops by the draft's bytes after an offload and
+                    comes back after the reload; the KV resize's transient peak is reported.
+      6. identity:  greedy outputs of 16 concurrent requests with offload/reload cycles issued
+                    mid-generation (speculation on) vs the same engine decoding plainly.
+      7. stalls:    decode steps over 3x the median while sequences grow, with cuDNN's attention
+                    backend on (torch's choice) and off. A slow step came each time the sequences'
+                    KV entered a new block, i.e. a new attention shape (BENCHMARKS.md, "On a GPU
+                    (NVIDIA H200)"): the suspect is a per-shape plan build in cuDNN's SDPA. This
+                    check tells."""
+    ap = argparse.ArgumentParser(description=__doc__, epilog=inspect.getdoc(main),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(paths.DEFAULT_TARGET))
     ap.add_argument("--draft", default=str(paths.DEFAULT_DRAFT))
     ap.add_argument("--dtype", default="bfloat16", help="dtype of the decode engine in the overlap check")

@@ -4,9 +4,8 @@
 
 writes OUT_DIR/llama-target, OUT_DIR/llama-draft (a Llama pair sharing a byte-level tokenizer;
 the target uses llama3 rope scaling and an untied head, the draft linear scaling and a tied head)
-and OUT_DIR/qwen2 (a Qwen2-style config with GQA and q/k/v bias). Weights are drawn with a
-large spread (std 1/sqrt(fan_in), not 0.02) so that logits are well separated and greedy
-comparisons are not dominated by near-ties.
+and OUT_DIR/qwen2 (a Qwen2-style config with GQA and q/k/v bias), with weights of a large spread
+so that logits are well separated and greedy comparisons are not dominated by near-ties.
 """
 
 from __future__ import annotations

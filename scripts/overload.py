@@ -3,13 +3,9 @@
     .venv/bin/python scripts/overload.py                 # 60 s at 10x the measured capacity
     .venv/bin/python scripts/overload.py --seconds 15 --factor 10 --max-queued 8
 
-Starts its own stack (one worker), measures capacity with a short closed loop, then offers an
-open-loop Poisson load of ``factor`` x capacity for ``seconds``. Reports: offered / admitted /
-refused (RESOURCE_EXHAUSTED, with the retry-after hint) / failed requests, whether every
-admitted request completed, the largest queue seen (gateway metric
-``nightjar_gateway_requests_queued`` against ``--max-queued``), p50/p99 latency of admitted
-requests, and each service's memory before, at the peak and after. tests/stack/test_overload.py runs
-the same code for ~15 s.
+Starts its own stack (one worker), measures its capacity, then offers ``factor`` x that as an
+open-loop Poisson load; what it reports: ``main``. tests/stack/test_overload.py runs the same
+code for ~15 s.
 """
 
 from __future__ import annotations
@@ -159,6 +155,12 @@ def overload_stack(max_queued: int, metrics_port: int, **kw) -> Stack:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Starts its own stack (one worker), measures capacity with a short closed loop, then offers an
+    open-loop Poisson load of ``factor`` x capacity for ``seconds``. Reports: offered / admitted /
+    refused (RESOURCE_EXHAUSTED, with the retry-after hint) / failed requests, whether every
+    admitted request completed, the largest queue seen (gateway metric
+    ``nightjar_gateway_requests_queued`` against ``--max-queued``), p50/p99 latency of admitted
+    requests, and each service's memory before, at the peak and after."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=60.0, help="how long the overload lasts")
     p.add_argument("--factor", type=float, default=10.0, help="offered load as a multiple of measured capacity")

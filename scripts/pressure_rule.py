@@ -1,11 +1,5 @@
 """PressureRule: a local draft-residency directive from memory pressure, until the planner decides.
 
-    offload when requests have waited for admission for ``offload_after`` consecutive steps
-            (sustained pressure: the KV pool, not a burst, is what limits the batch);
-    reload  when nothing has waited for ``reload_after`` consecutive steps and the blocks in use
-            are at most ``reload_below`` of the base pool (so the squeeze needs no preemption
-            and leaves room to grow).
-
 A pure object with one method, called by MemoryManager.poll every step
 (``engine.memory.set_directive_source(PressureRule())``). Used by scripts/bench_memory.py and
 the memory tests; the serving stack takes its directives from the planner.
@@ -21,6 +15,14 @@ from worker.engine.memory import MemoryPressure
 
 @dataclass
 class PressureRule:
+    """Per step:
+    offload when requests have waited for admission for ``offload_after`` consecutive steps
+            (sustained pressure: the KV pool, not a burst, is what limits the batch);
+    reload  when nothing has waited for ``reload_after`` consecutive steps and the blocks in use
+            are at most ``reload_below`` of the base pool (so the squeeze needs no preemption
+            and leaves room to grow).
+    """
+
     offload_after: int = 3  # steps with requests waiting
     reload_after: int = 20  # steps without
     reload_below: float = 0.6  # share of the base pool in use at most

@@ -4,18 +4,7 @@ lost requests (goal 0), errors, and the memory growth of every service process (
     .venv/bin/python scripts/soak.py --minutes 30            # the full soak
     .venv/bin/python scripts/soak.py --minutes 2 --json out.json   (tests/stack/test_soak.py runs this)
 
-The trace (``nightjar.paths.TRACES_DIR``/AzureLLMInferenceTrace_conv.csv) keeps its own
-burstiness; its arrival times are scaled so the mean load is ``--load`` x this machine's
-capacity (measured first with a short closed loop on the same length mix), and its lengths are
-scaled by ``nightjar_tools.bench.workload.LengthScale`` to fit the CPU models. Requests go through the
-SDK with its default retry policy, as a real client's would.
-
-Outcomes per request: ``ok`` (finished with every token asked for), ``refused`` (still
-RESOURCE_EXHAUSTED after the SDK's retries: load shedding, not loss), ``lost`` (anything else:
-an error, a missing final record, or a short completion). Memory: RSS of each service process
-sampled every few seconds; growth = last sample over the first sample after the warm-up (the
-first ``--warmup-frac`` of the run, when allocators and caches fill), plus Redis's own
-used_memory and key count, which must come back to where they started.
+The load, what counts as lost and how memory growth is measured: ``run``.
 """
 
 from __future__ import annotations
@@ -148,6 +137,18 @@ async def replay(stack: Stack, arrivals: np.ndarray, prompts: list[str], max_tok
 
 
 def run(minutes: float, load: float, workers: int, warmup_frac: float, seed: int, log=print) -> SoakReport:
+    """The trace (``nightjar.paths.TRACES_DIR``/AzureLLMInferenceTrace_conv.csv) keeps its own
+    burstiness; its arrival times are scaled so the mean load is ``load`` x this machine's
+    capacity (measured first with a short closed loop on the same length mix), and its lengths are
+    scaled by ``nightjar_tools.bench.workload.LengthScale`` to fit the CPU models. Requests go through the
+    SDK with its default retry policy, as a real client's would.
+
+    Outcomes per request: ``ok`` (finished with every token asked for), ``refused`` (still
+    RESOURCE_EXHAUSTED after the SDK's retries: load shedding, not loss), ``lost`` (anything else:
+    an error, a missing final record, or a short completion). Memory: RSS of each service process
+    sampled every few seconds; growth = last sample over the first sample after the warm-up (the
+    first ``warmup_frac`` of the run, when allocators and caches fill), plus Redis's own
+    used_memory and key count, which must come back to where they started."""
     duration_s = minutes * 60
     rep = SoakReport(minutes=minutes)
     cfg = StackConfig(port=0, workers=workers, key_prefix=f"soak{uuid.uuid4().hex[:6]}", policy="nightjar",

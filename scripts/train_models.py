@@ -4,9 +4,8 @@
     nice -n 10 .venv/bin/python scripts/train_models.py all --target-minutes 40 --draft-minutes 18
 
 Subcommands: prompts (held-out prompt set), shapes (decode-time ratio of candidate shapes with
-random weights), target (LM training), draft (distillation from the target), export (bf16
-Hugging Face folders with tokenizer and generation config), all (prompts, target, draft, export).
-Intermediate fp32 checkpoints and logs go to runs/ (git-ignored).
+random weights), target (LM training), draft (distillation from the target), export (bf16 Hugging
+Face folders), all (prompts, target, draft, export). Checkpoints and logs go to runs/ (git-ignored).
 """
 
 from __future__ import annotations

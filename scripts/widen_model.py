@@ -2,22 +2,10 @@
 
     .venv/bin/python scripts/widen_model.py --factor 8            # models/tiny-target → runs/models/wide8-target
 
-Why: on this CPU the shipped tiny-target's decode step is mostly per-sequence work (Python,
-attention over each sequence's KV), so verifying γ more tokens per sequence is nearly free and
-speculation pays at every batch size (BENCHMARKS, Speculation). A serving-size target is the
-opposite: its matmuls dominate, a verify pass costs in proportion to the tokens it checks, and
-past some batch size speculation costs more than it saves. This script gives the shipped
-target that cost profile while keeping its outputs, so the shipped draft's acceptance and every
-greedy output stay exactly as measured:
-
-- each layer's MLP grows from I to factor×I neurons;
-- the new gate/up rows are random (dense, so a GEMM does the full work: nothing in the matmul
-  path skips zeros, and the rows are not zeros anyway), the new down_proj columns are zero, so
-  the new neurons add exactly 0 to the residual stream.
-
-Attention, the KV cache's bytes per token and the tokenizer are untouched, so the [memory]
-accounting (KV blocks per MiB, the draft's share) is the same as with the shipped target.
-The output goes under runs/ (git-ignored): it is derived, never shipped.
+Why: the shipped tiny-target's decode step is mostly per-sequence work, so speculation pays at
+every batch size (BENCHMARKS, Speculation); a serving-size target's matmuls dominate instead.
+This gives the shipped target that cost profile while keeping its outputs, so the draft's
+acceptance and every greedy output stay exactly as measured. How: ``widen``.
 """
 
 from __future__ import annotations
@@ -52,6 +40,22 @@ def widen_state(state: dict[str, torch.Tensor], intermediate: int, factor: int, 
 
 
 def widen(src: Path, dst: Path, factor: int, seed: int = 0) -> Path:
+    """Write ``src`` widened ``factor`` times into ``dst``; the output goes under runs/ (git-ignored).
+
+    On this CPU the shipped tiny-target's decode step is mostly per-sequence work (Python,
+    attention over each sequence's KV), so verifying γ more tokens per sequence is nearly free and
+    speculation pays at every batch size. A serving-size target is the opposite: its matmuls
+    dominate, a verify pass costs in proportion to the tokens it checks, and past some batch size
+    speculation costs more than it saves. The widened model keeps the outputs:
+
+    - each layer's MLP grows from I to factor×I neurons;
+    - the new gate/up rows are random (dense, so a GEMM does the full work: nothing in the matmul
+      path skips zeros, and the rows are not zeros anyway), the new down_proj columns are zero, so
+      the new neurons add exactly 0 to the residual stream.
+
+    Attention, the KV cache's bytes per token and the tokenizer are untouched, so the [memory]
+    accounting (KV blocks per MiB, the draft's share) is the same as with the shipped target. It is
+    derived, never shipped."""
     if factor < 1:
         raise ValueError(f"factor must be >= 1, got {factor}")
     config = json.loads((src / "config.json").read_text())

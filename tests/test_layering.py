@@ -70,6 +70,15 @@ def test_no_back_edges():
     assert not bad, "import rules broken:\n" + "\n".join(bad)
 
 
+def test_the_engine_is_the_top_of_its_room():
+    """The engine owns its parts (memory manager, scheduler, runners) and hands them what they
+    need: none of them imports the engine back, not even for a type."""
+    bad = [f"{p.relative_to(ROOT).as_posix()}:{line} imports {name}"
+           for p in sorted((ROOT / "worker" / "engine").glob("*.py")) if p.name != "engine.py"
+           for line, name in _imports(p) if name == "worker.engine.engine" or name.startswith("worker.engine.engine.")]
+    assert not bad, "a part of the engine imports the engine:\n" + "\n".join(bad)
+
+
 def test_rule_catches_a_back_edge(tmp_path):
     """The checker itself: a lazy import of worker code in the gateway is reported with file and line."""
     (tmp_path / "gateway").mkdir()

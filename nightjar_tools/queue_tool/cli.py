@@ -4,9 +4,8 @@
     nightjar queue dlq requeue ID --yes | dlq purge --yes              (the only mutations)
     nightjar queue watch [--interval-s 1] [--iterations N]             (Ctrl-C stops)
 
-Connection: ``--redis-url`` (env NIGHTJAR_REDIS_URL), ``--redis-password``, ``--tls``,
-``--tls-ca``, ``--prefix`` (env NIGHTJAR_KEY_PREFIX). Exit codes: 0 ok, 1 Redis unreachable,
-2 bad usage or a mutation refused (no ``--yes``, unknown id).
+Connection: ``--redis-url``, ``--prefix`` and the TLS flags (``--help``). Exit codes: 0 ok,
+1 Redis unreachable, 2 bad usage or a mutation refused (no ``--yes``, unknown id).
 """
 
 from __future__ import annotations

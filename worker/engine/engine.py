@@ -85,7 +85,6 @@ class Engine:
         if cfg.max_model_len:
             limits.append(cfg.max_model_len)
         self.max_context_tokens = min(limits)
-        self.draft_residency = Residency.RESIDENT if draft is not None else Residency.NONE
         self._policy: Callable[[int], int] = lambda batch_size: cfg.default_gamma
         self._pending: list[RequestOutput] = []
         self._arrivals = 0
@@ -93,7 +92,9 @@ class Engine:
         self.monitor = AcceptanceMonitor(cfg.acceptance_alarm_window, cfg.acceptance_alarm_floor,
                                          cfg.acceptance_alarm_healthy)
         self.last_stats: StepStats | None = None
-        self.memory = MemoryManager(self)  # device budget, draft offload/reload (worker/engine/memory.py)
+        # device budget, draft offload/reload (worker/engine/memory.py); it owns the draft's residency
+        self.memory = MemoryManager(cfg, self.runner, self.speculator.runner if self.speculator else None,
+                                    self.scheduler, lambda: self.last_stats.waiting if self.last_stats else 0)
 
     # ------------------------------------------------------------------ public API
 
@@ -135,15 +136,10 @@ class Engine:
         """"resident" | "offloaded": the memory manager carries it out between steps (worker/engine/memory.py)."""
         self.memory.set_directive(directive)
 
-    def drop_draft_kv(self) -> None:
-        """Forget the draft's KV (for a memory manager about to free or reallocate its pool):
-        every draft table goes back to the pool, and the next speculative step catches each
-        sequence up from scratch (a catch-up, reported in StepStats)."""
-        if self.speculator is None:
-            return
-        for s in [*self.scheduler.running, *self.scheduler.waiting]:
-            self.speculator.runner.blocks.free(s.draft_table)
-            s.draft_computed = 0
+    @property
+    def draft_residency(self) -> str:
+        """γ > 0 only while "resident" (the memory manager's state)."""
+        return self.memory.state
 
     @property
     def num_running(self) -> int:

@@ -21,8 +21,9 @@ from worker.engine.draft_mover import DraftMover, Transfer
 
 if TYPE_CHECKING:
     from worker.engine.config import EngineConfig
-    from worker.engine.engine import Engine
     from worker.engine.model import LlamaModel
+    from worker.engine.runner import ModelRunner
+    from worker.engine.scheduler import Scheduler
 
 log = logging.getLogger("nightjar.memory")
 
@@ -120,8 +121,7 @@ class MemoryPressure:
 
 
 class MemoryManager:
-    """- offload (expand): γ is 0 from the next step (``engine.draft_residency`` is no longer
-      "resident"); every sequence's draft KV is dropped and the draft pool tensor freed; the
+    """- offload (expand): γ is 0 from the next step (``state`` is no longer "resident"); every sequence's draft KV is dropped and the draft pool tensor freed; the
       weights are copied to host (async on CUDA); once the copy is done the device weights are
       freed and the target pool grows by every byte that left. Running sequences keep their blocks
       and the next step runs as usual, only with γ = 0.
@@ -138,25 +138,30 @@ class MemoryManager:
     "wait until the blocks are free", never preemption.
 
     The manager runs on the engine's thread, between steps (``poll`` is the first thing a step does).
+    The engine owns it and hands it its parts: the two runners, the scheduler (whose sequences
+    hold the block tables it migrates or drops) and ``waiting``, the requests left waiting after
+    the last step. ``state`` is the one record of the draft's residency; the engine reads it.
     """
 
-    def __init__(self, engine: "Engine") -> None:
-        cfg = engine.cfg
-        self.engine = engine
-        self.target = engine.runner
-        self.spec = engine.speculator
+    def __init__(self, cfg: "EngineConfig", target: "ModelRunner", draft: "ModelRunner | None",
+                 scheduler: "Scheduler", waiting: Callable[[], int]) -> None:
+        self.target = target
+        self.draft = draft
+        self.scheduler = scheduler
+        self._waiting = waiting
+        self.gamma_max = cfg.gamma_max
         self.workspace = workspace_of(cfg, self.target.model)
         self.target_bpb = self.target.kv.nbytes // self.target.kv.num_blocks
         self.base_blocks = self.target.kv.num_blocks
-        self.mover = DraftMover(self.spec.runner.model) if self.spec is not None else None
-        self.draft_bpb = self.spec.runner.kv.nbytes // self.spec.runner.kv.num_blocks if self.spec else 0
-        draft = self.spec.runner.model if self.spec else None
+        self.mover = DraftMover(draft.model) if draft is not None else None
+        self.draft_bpb = draft.kv.nbytes // draft.kv.num_blocks if draft is not None else 0
         # The target's weights never move; summing ~100 tensor sizes on every step's snapshot did show.
         self.target_weight_bytes = self.target.model.weight_bytes
-        weights = self.target_weight_bytes + (draft.weight_bytes if draft is not None else 0)
+        draft_model = draft.model if draft is not None else None
+        weights = self.target_weight_bytes + (draft_model.weight_bytes if draft_model is not None else 0)
         # everything configured; block rounding leaves the pools a little under it
-        self.budget = weights + kv_pool_bytes(cfg, self.target.model, draft) + self.workspace
-        self.state = Residency.RESIDENT if self.spec is not None else Residency.NONE
+        self.budget = weights + kv_pool_bytes(cfg, self.target.model, draft_model) + self.workspace
+        self.state = Residency.RESIDENT if draft is not None else Residency.NONE
         self.directive = self.state
         self._source: Callable[[MemoryPressure], str] | None = None
         self.last_offload: Transfer | None = None
@@ -176,7 +181,7 @@ class MemoryManager:
             target_weights=self.target_weight_bytes,
             draft_weights=self.mover.device_bytes if self.mover else 0,
             target_kv=self.target.kv.nbytes,
-            draft_kv=self.spec.runner.kv.nbytes if self.spec else 0,
+            draft_kv=self.draft.kv.nbytes if self.draft else 0,
             workspace=self.workspace,
         )
 
@@ -192,7 +197,7 @@ class MemoryManager:
         return MemoryReport(
             state=self.state, directive=self.directive, parts=self._measure(),
             target_blocks=self.target.kv.num_blocks, base_blocks=self.base_blocks,
-            draft_blocks=self.spec.runner.kv.num_blocks if self.spec else 0,
+            draft_blocks=self.draft.kv.num_blocks if self.draft else 0,
             last_offload=self.last_offload, last_reload=self.last_reload, offloads=self.offloads,
             reloads=self.reloads, refusals=self.refusals, last_refusal=self.last_refusal,
             last_migrated_blocks=self.last_migrated_blocks, last_resize_ms=self.last_resize_ms)
@@ -208,7 +213,7 @@ class MemoryManager:
     def _adopt(self, directive: str) -> None:
         if directive not in DIRECTIVES:
             raise ValueError(f"draft residency directive {directive!r}: use one of {DIRECTIVES}")
-        if self.spec is None:
+        if self.draft is None:
             return  # no draft: nothing to move
         if directive != self.directive:
             self._refused_now = False
@@ -221,14 +226,13 @@ class MemoryManager:
     def pressure(self) -> MemoryPressure:
         b = self.target.blocks
         # requests still waiting after the last step's admission (not ones that just arrived)
-        st = self.engine.last_stats
-        return MemoryPressure(self.state, self.engine.num_running, st.waiting if st else 0, b.num_used,
+        return MemoryPressure(self.state, len(self.scheduler.running), self._waiting(), b.num_used,
                               b.num_blocks, self.base_blocks)
 
     @torch.inference_mode()
     def poll(self) -> None:
         """Between steps: finish a completed transfer, then move towards the directive."""
-        if self.spec is None:
+        if self.draft is None:
             return
         if self._source is not None:
             self._adopt(self._source(self.pressure()))
@@ -247,17 +251,12 @@ class MemoryManager:
             if done is not None:
                 self._finish(done)
 
-    def _set_state(self, state: str) -> None:
-        self.state = state
-        # γ > 0 only while "resident": the engine's _gamma reads this attribute every step
-        self.engine.draft_residency = state
-
     # ------------------------------------------------------------------ offload (expand)
 
     @torch.inference_mode()
     def offload(self) -> bool:
         """Directive "offloaded", started now; False if the draft was not resident (nothing started)."""
-        if self.spec is None:
+        if self.draft is None:
             return False
         self._adopt(Residency.OFFLOADED)
         return self._offload()
@@ -265,11 +264,11 @@ class MemoryManager:
     def _offload(self) -> bool:
         if self.state != Residency.RESIDENT:
             return False
-        self._set_state(Residency.OFFLOADING)
-        dblocks = self.spec.runner.blocks
-        self.engine.drop_draft_kv()  # dropped wholesale; the catch-up rebuilds it after the reload
+        self.state = Residency.OFFLOADING
+        dblocks = self.draft.blocks
+        self.scheduler.drop_draft_kv()  # dropped wholesale; the catch-up rebuilds it after the reload
         assert dblocks.num_used == 0, "a draft block is held by a sequence the scheduler does not know"
-        self.spec.runner.kv.resize(0)  # the draft pool tensor is freed now
+        self.draft.kv.resize(0)  # the draft pool tensor is freed now
         dblocks.apply_shrink(0, {}, [])
         self.mover.start_offload()
         self._check()
@@ -294,7 +293,7 @@ class MemoryManager:
     def reload(self) -> str | None:
         """Directive "resident", started now if safe. -> None when started (or nothing to do), else
         why it was refused (the directive stays: it is retried each step until it is safe)."""
-        if self.spec is None:
+        if self.draft is None:
             return None
         self._adopt(Residency.RESIDENT)
         return self._reload()
@@ -311,10 +310,10 @@ class MemoryManager:
             self.last_refusal = why
             return why
         self._refused_now = False
-        self.spec.runner.kv.resize(self.base_blocks)
-        self.spec.runner.blocks.grow(self.base_blocks)
+        self.draft.kv.resize(self.base_blocks)
+        self.draft.blocks.grow(self.base_blocks)
         self.mover.start_reload()
-        self._set_state(Residency.RELOADING)
+        self.state = Residency.RELOADING
         self._check()
         done = self.mover.poll()
         if done is not None:
@@ -325,8 +324,8 @@ class MemoryManager:
         """Shrink the target pool to its base size, migrating live blocks; -> why not, or None."""
         n = self.base_blocks
         blocks = self.target.blocks
-        sched = self.engine.scheduler
-        g = self.engine.cfg.gamma_max
+        sched = self.scheduler
+        g = self.gamma_max
         # the next step after the reload reserves up to γmax lookahead slots per decoding sequence
         need = sum(blocks.blocks_for(s.num_tokens + (0 if s.is_prefill else g)) for s in sched.running)
         if need > n:
@@ -348,13 +347,13 @@ class MemoryManager:
     def _finish(self, t: Transfer) -> None:
         if t.direction == "offload":
             assert self.state == Residency.OFFLOADING
-            self._set_state(Residency.OFFLOADED)
+            self.state = Residency.OFFLOADED
             self._grow_target()
             self.last_offload = t
             self.offloads += 1
         else:
             assert self.state == Residency.RELOADING
-            self._set_state(Residency.RESIDENT)
+            self.state = Residency.RESIDENT
             self.last_reload = t
             self.reloads += 1
         self._check()

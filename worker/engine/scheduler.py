@@ -107,6 +107,15 @@ class Scheduler:
             self.draft.free(seq.draft_table)
         seq.draft_computed = 0
 
+    def drop_draft_kv(self) -> None:
+        """Every draft table back to its pool (the memory manager frees or reallocates it next);
+        the next speculative step catches each sequence up from scratch (reported in StepStats)."""
+        if self.draft is None:
+            return
+        for seq in [*self.running, *self.waiting]:
+            self.draft.free(seq.draft_table)
+            seq.draft_computed = 0
+
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)

@@ -1,11 +1,13 @@
-"""The worker's local copy of the planner's policy: γ per batch size without touching the network.
+"""The worker's local copy of the planner's policy: γ per batch size and the draft's residency
+without touching the network. The engine host holds the only PolicyView; the worker service
+follows Redis and hands every policy it reads to the host.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from redis.exceptions import RedisError
 
@@ -30,7 +32,8 @@ class PolicyView:
     then follows keys.policy_channel, reloading the key after every (re)subscription so nothing
     published during a Redis blip is missed.
 
-    The engine thread calls ``gamma`` every step; the asyncio side calls ``update``. The view only
+    The engine thread calls ``gamma`` and ``residency`` every step, and ``update`` when the worker
+    service forwards a policy; in tests the asyncio side may call ``update`` too. The view only
     ever swaps one reference to an immutable Policy, so no lock is needed.
     """
 
@@ -116,7 +119,14 @@ def _decode(data: Any) -> Policy | None:
         return None
 
 
-async def follow_policy(redis: Any, keys: Keys, view: PolicyView, stop_event: asyncio.Event,
+class PolicySink(Protocol):
+    """Where ``follow_policy`` hands each policy it reads: a PolicyView, or the worker service's
+    forwarder to the host's view (which decides whether it is newer)."""
+
+    def update(self, policy: Policy) -> Any: ...
+
+
+async def follow_policy(redis: Any, keys: Keys, view: PolicySink, stop_event: asyncio.Event,
                         retry_s: float = 0.5) -> None:
     """Keep ``view`` current until ``stop_event`` is set; survives Redis restarts."""
     while not stop_event.is_set():

@@ -27,7 +27,8 @@ class Abort(Message, tag=True):
 
 
 class FollowPolicy(Message, tag=True):
-    """γ from the planner's policy from now on: the host keeps its own PolicyView."""
+    """γ and the draft's residency from the planner's policy from now on: the host keeps the
+    worker's only PolicyView (worker/host/policy_view.py)."""
 
     worker_id: str
     default_gamma: int
@@ -39,7 +40,9 @@ class UpdatePolicy(Message, tag=True):
 
 
 class SetResidency(Message, tag=True):
-    residency: str  # "resident" | "offloaded": a directive the engine's memory manager carries out
+    # "resident" | "offloaded": a directive the engine's memory manager carries out now (tests,
+    # scripts); under FollowPolicy the host's view gives its own whenever its answer changes
+    residency: str
 
 
 Command = Add | Abort | FollowPolicy | UpdatePolicy | SetResidency
@@ -55,6 +58,7 @@ class Snapshot(Message, tag=True):
     max_context_tokens: int = 0
     memory_bytes: tuple[tuple[str, int], ...] = ()  # (part, device bytes) from worker/engine/memory.py
     steps: int = 0  # engine steps taken: the heartbeat's proof of progress (a hung engine stops it)
+    policy_version: int = -1  # the version of the policy the host's view holds (-1: none yet)
 
 
 class StepResult(Message, tag=True):

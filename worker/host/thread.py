@@ -35,7 +35,8 @@ class EngineThread:
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.snapshot = Snapshot()  # written once before ``ready``; later snapshots travel in StepResults
-        self._view = None  # the engine thread's PolicyView, after FollowPolicy
+        self._view: PolicyView | None = None  # the worker's only PolicyView, after FollowPolicy
+        self._residency: str | None = None  # the view's last answer, handed to the engine
 
     def start(self) -> None:
         self._thread.start()
@@ -51,7 +52,7 @@ class EngineThread:
     def _main(self) -> None:
         try:
             engine = self._factory()
-            self.snapshot = _snapshot(engine, 0)
+            self.snapshot = _snapshot(engine, 0, 0, None)
         except BaseException as exc:  # reported to the service, which exits with the message
             self.error = exc
             self.ready.set()
@@ -71,6 +72,7 @@ class EngineThread:
             rejected: list[tuple[str, str]] = []
             busy = engine.has_unfinished()
             self._apply(engine, self._next_commands(block=not busy), rejected)
+            self._follow_residency(engine)  # a policy past its TTL turns "resident" with no command
             outputs, stats = [], None
             if engine.has_unfinished():
                 outputs = engine.step()
@@ -78,7 +80,7 @@ class EngineThread:
                 stats = engine.last_stats
                 if stats is not None:
                     gamma = stats.gamma
-            snap = _snapshot(engine, gamma, steps)
+            snap = _snapshot(engine, gamma, steps, self._view)
             if outputs or rejected or stats is not None or snap != last_snapshot:
                 self._deliver(StepResult(outputs=outputs, stats=stats, rejected=rejected, snapshot=snap))
                 last_snapshot = snap
@@ -111,19 +113,35 @@ class EngineThread:
             elif isinstance(cmd, FollowPolicy):
                 view = self._view = PolicyView(cmd.worker_id, cmd.default_gamma, cmd.ttl_s)
                 engine.set_gamma_policy(lambda batch: view.gamma(batch, time.time()))
+                self._residency = None
+                self._follow_residency(engine)
             elif isinstance(cmd, UpdatePolicy):
-                if self._view is not None:
-                    self._view.update(cmd.policy)
+                if self._view is not None and self._view.update(cmd.policy):
+                    self._follow_residency(engine)
             elif isinstance(cmd, SetResidency):
-                try:
-                    engine.set_draft_residency(cmd.residency)
-                except ValueError as exc:  # a directive it does not know must not kill the engine
-                    log.error("ignoring residency directive: %s", exc)
+                _set_residency(engine, cmd.residency)
+
+    def _follow_residency(self, engine) -> None:
+        """Hand the engine the view's residency when its answer changes (only then: a SetResidency
+        in between stands until the view says something new)."""
+        if self._view is None:
+            return
+        wanted = self._view.residency(time.time())
+        if wanted != self._residency:
+            self._residency = wanted
+            _set_residency(engine, wanted)
 
 
-def _snapshot(engine, gamma: int, steps: int = 0) -> Snapshot:
+def _set_residency(engine, directive: str) -> None:
+    try:
+        engine.set_draft_residency(directive)
+    except ValueError as exc:  # a directive it does not know must not kill the engine
+        log.error("ignoring residency directive: %s", exc)
+
+
+def _snapshot(engine, gamma: int, steps: int, view: PolicyView | None) -> Snapshot:
     return Snapshot(
-        steps=steps,
+        steps=steps, policy_version=view.version if view is not None else -1,
         running=engine.num_running, waiting=engine.num_waiting, kv_blocks_free=engine.kv_blocks_free,
         kv_blocks_total=engine.kv_blocks_total, gamma=gamma, draft_residency=str(engine.draft_residency),
         max_context_tokens=int(engine.max_context_tokens),

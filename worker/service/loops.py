@@ -16,12 +16,12 @@ from redis.exceptions import RedisError, ResponseError
 from nightjar import metrics as m
 from nightjar.deadline import RedisClock, forwarded, remaining_ms
 from nightjar.keys import Keys
-from nightjar.messages import Cancel, Heartbeat, Job, MessageError, OutputChunk
+from nightjar.messages import Cancel, Heartbeat, Job, MessageError, OutputChunk, Policy
 from nightjar.service_util import REDIS_RETRY_FIRST_S, now_ms, wait_for_redis
 from nightjar.streams import dead_letter, ensure_group
-from worker.host.policy_view import PolicyView, follow_policy
+from worker.host.policy_view import follow_policy
 from worker.host.process import EngineProcess
-from worker.host.protocol import Abort, Add, EngineHost, FollowPolicy, SetResidency, Snapshot, StepResult, UpdatePolicy
+from worker.host.protocol import Abort, Add, EngineHost, FollowPolicy, Snapshot, StepResult, UpdatePolicy
 from worker.host.thread import EngineThread
 from worker.service.config import WorkerServiceConfig
 from worker.service.redis_ops import RELEASE_ASSIGNMENT, Ops, delivered_prefix
@@ -52,8 +52,9 @@ class WorkerService:
     - heartbeat: a Heartbeat with a TTL every ``heartbeat_interval_s``; the first is sent only once
       the models are loaded (and Redis answers), so the stack is ready exactly when a worker can
       take work; it carries the engine's step count (progress) and, after SIGTERM, ``draining``;
-    - policy: worker.host.policy_view follows the planner; each new version goes to the engine, which
-      reads γ from its own view every step.
+    - policy: follows the planner's key and channel (worker.host.policy_view.follow_policy) and
+      hands every policy to the host, whose PolicyView, the worker's only one, answers γ and the
+      draft's residency every step; its version comes back in the snapshot.
     """
 
     def __init__(self, cfg: WorkerServiceConfig, redis: aioredis.Redis, engine_factory=None) -> None:
@@ -67,7 +68,6 @@ class WorkerService:
         self.active: dict[str, Active] = {}  # owned by the event loop
         self.snapshot = Snapshot()
         self.started_ms = now_ms()
-        self._policy_version = -1
         self.clock = RedisClock()  # job deadlines are budgets counted on Redis' clock
         self._moved: set[str] = set()  # active requests another worker took over (being aborted)
         self._accepting = True
@@ -346,6 +346,8 @@ class WorkerService:
                 self._queue_result(ops, result)
             if results[-1].snapshot.draft_residency != self.snapshot.draft_residency:
                 m.set_residency(results[-1].snapshot.draft_residency)
+            if results[-1].snapshot.policy_version != self.snapshot.policy_version:
+                m.POLICY_VERSION.set(results[-1].snapshot.policy_version)
             self.snapshot = results[-1].snapshot
             await self._write_until_done(ops)
             for result in results:
@@ -457,7 +459,7 @@ class WorkerService:
             worker_id=self.cfg.worker_id, unix_ms=now_ms(), model=self.cfg.model_name,
             kv_blocks_free=snap.kv_blocks_free, kv_blocks_total=snap.kv_blocks_total, running=snap.running,
             waiting=snap.waiting + unseen, max_running=self.cfg.engine.max_running, gamma=snap.gamma,
-            draft_residency=snap.draft_residency, policy_version=self._policy_version, started_unix_ms=self.started_ms,
+            draft_residency=snap.draft_residency, policy_version=snap.policy_version, started_unix_ms=self.started_ms,
             memory_bytes=dict(snap.memory_bytes), draining=not self._accepting, engine_steps=snap.steps)
 
     async def _beat(self) -> None:
@@ -483,24 +485,17 @@ class WorkerService:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
 
     async def _policy_loop(self, stop: asyncio.Event) -> None:
-        # The engine keeps a view of its own (it may live in another process); this one decides
-        # residency and forwards each new policy.
-        view = PolicyView(self.cfg.worker_id, self.cfg.default_gamma, self.cfg.policy_ttl_s)
+        # The host holds the worker's only PolicyView (it may live in another process): this loop
+        # only carries each policy read from Redis to it; the view keeps it if it is newer.
         self.engine.submit(FollowPolicy(self.cfg.worker_id, self.cfg.default_gamma, self.cfg.policy_ttl_s))
-        follower = asyncio.create_task(follow_policy(self.redis, self.keys, view, stop))
-        residency, forwarded = None, None
-        try:
-            while not follower.done():
-                wanted = view.residency(time.time())
-                if wanted and wanted != residency and self.cfg.engine.draft_path is not None:
-                    self.engine.submit(SetResidency(wanted))
-                    residency = wanted
-                # (epoch, version): a planner's new epoch may restart at a lower version.
-                if view.epoch_version != forwarded and view.policy is not None:
-                    self.engine.submit(UpdatePolicy(view.policy))
-                    m.observe_policy(view.policy)
-                    forwarded = view.epoch_version
-                self._policy_version = view.version
-                await asyncio.sleep(0.1)
-        finally:
-            follower.cancel()
+        await follow_policy(self.redis, self.keys, _ToHost(self.engine), stop)
+
+
+class _ToHost:
+    """follow_policy's sink in the worker: each policy read goes to the host's PolicyView."""
+
+    def __init__(self, host: EngineHost) -> None:
+        self.host = host
+
+    def update(self, policy: Policy) -> None:
+        self.host.submit(UpdatePolicy(policy))
