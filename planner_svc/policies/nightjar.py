@@ -389,10 +389,18 @@ class NightjarPolicy(GammaPolicy):
         uncertain = [a for a in range(self.gamma_max + 1) if a != base
                      and (tl.plays[a] < s.min_plays or tl.steps - tl.last_played[a] > s.stale_steps)
                      and hopeful[a] <= loss[base] * (1.0 + s.probe_margin)]
+        near = [a for a in (base - 1, base + 1) if 0 <= a <= self.gamma_max]
+        promising = [a for a in near if hopeful[a] < loss[base]]
         if uncertain:
             arm = min(uncertain, key=lambda a: hopeful[a])
+        elif promising:
+            # A neighbour that may beat the arm in force, on what is known of it so far, is probed
+            # at the schedule's full rate: at batch 1 a deeper γ's last acceptance position is
+            # learned only from its own probes, a few trials each, and at ε_min it stayed
+            # underrated (the budget below still holds the rate down where probes are dear).
+            arm = min(promising, key=lambda a: hopeful[a])
+            eps = max(eps, s.epsilon0)
         else:
-            near = [a for a in (base - 1, base + 1) if 0 <= a <= self.gamma_max]
             if not near:
                 return None
             # The neighbour played least recently: always the cheaper-looking one would leave the

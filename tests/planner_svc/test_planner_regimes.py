@@ -77,7 +77,10 @@ def test_the_measured_serve_surface_speculates_at_one_client_and_not_at_64(clien
     surface = load_table(SURFACES / "cpu_serve.json", max_batch=256)
     ratio, switches_per_1000, gammas = run(surface, clients)
     if clients == 1:
-        assert (gammas >= 2).mean() >= 0.9, np.bincount(gammas)
+        # γ = 4 beats γ = 3 by 3% here; its last acceptance position is learned only from its own
+        # probes, and at ε_min it stayed underrated (played on 0.5% of steps) until a neighbour
+        # that may beat the arm in force was probed at the full rate.
+        assert (gammas == 4).mean() >= 0.8, np.bincount(gammas)
     else:
         assert (gammas == 0).mean() >= 0.9, np.bincount(gammas)
     assert ratio >= 0.97, ratio
