@@ -305,8 +305,9 @@ def service_main(name: Callable[[Any], str] | str, parse_config: Callable[[list[
 def add_common_args(parser, env: EnvDefaults) -> None:
     """The flags every service takes; their defaults come from the environment."""
     parser.add_argument("--redis-url", default=env.redis_url,
-                        help="redis:// or rediss:// (TLS) URL, redis+cluster://host:port[,host:port] for Redis Cluster; password inside: pass it as env NIGHTJAR_REDIS_URL, "
-                             "since a command line is visible to every local user")
+                        help="redis:// or rediss:// (TLS) URL, redis+cluster://host:port[,host:port] for Redis Cluster; "
+                             "password inside: pass it as env NIGHTJAR_REDIS_URL, since a command line is visible to "
+                             "every local user")
     parser.add_argument("--key-prefix", default=env.key_prefix, help="prefix of every Redis key (env NIGHTJAR_KEY_PREFIX)")
     parser.add_argument("--log-level", default=env.log_level, help="DEBUG, INFO, WARNING (env NIGHTJAR_LOG_LEVEL)")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default=env.log_format,

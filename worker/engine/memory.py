@@ -121,9 +121,10 @@ class MemoryPressure:
 
 
 class MemoryManager:
-    """- offload (expand): γ is 0 from the next step (``state`` is no longer "resident"); every sequence's draft KV is dropped and the draft pool tensor freed; the
-      weights are copied to host (async on CUDA); once the copy is done the device weights are
-      freed and the target pool grows by every byte that left. Running sequences keep their blocks
+    """- offload (expand): γ is 0 from the next step (``state`` is no longer "resident"); every
+      sequence's draft KV is dropped and the draft pool tensor freed; the weights are copied to
+      host (async on CUDA); once the copy is done the device weights are freed and the target
+      pool grows by every byte that left. Running sequences keep their blocks
       and the next step runs as usual, only with γ = 0.
     - reload (squeeze): refused (and counted) when the running sequences' next step would not
       fit in the smaller pool — shrinking then would force preemption. Otherwise live target blocks
