@@ -22,6 +22,9 @@ from planner_svc.policies.residency import ResidencyController, ResidencySetting
 from planner_svc.policies.step_cost_model import StepCostModel, StepCostSettings
 
 
+RECENT_DECAY = 0.999  # per policy step: a bucket's recent visits remember ~1,000 steps
+
+
 @dataclass(frozen=True)
 class NightjarSettings:
     bin_base: int = 8  # steps per bin in block 0, and per probe bin
@@ -42,7 +45,7 @@ class NightjarSettings:
     table_margin: float = 0.03
     # ... and within this when it sees under 1/8 of that bucket's steps: a rare visit saves
     # little by playing its own γ, and each visit costs two switches (there and back).
-    rare_table_margin: float = 0.10
+    rare_table_margin: float = 0.15
     probe_budget: float = 0.05  # a probe runs at full rate if it costs <= 5% of the next bin's time
     change_tolerance: float = 0.3
     change_min_tokens: int = 1024  # emitted tokens of exploit bins behind each change test
@@ -84,6 +87,11 @@ class _Timeline:
         self.steps_left = 1  # the first step seen in a bucket triggers a model-based choice
         self.probing = False
         self.steps = 0
+        # Visits decayed by the policy's step clock (every bucket's steps count), so that which
+        # neighbour is the busier one follows the load now, not the history: after an hour at one
+        # client, batch 1 would otherwise lead batch 2 against 3-4 for good.
+        self.recent = 0.0
+        self.recent_at = 0
         self.plays = [0] * arms
         self.last_played = [-(1 << 30)] * arms
         # Catch-up ms and plays per arm, both decayed per bucket step; ĉ = sum / (plays + 20), so an
@@ -275,6 +283,8 @@ class NightjarPolicy(GammaPolicy):
         if run and catchup_ms and zero_bucket != bucket:
             self.timelines[zero_bucket].charge(0, catchup_ms)
         steps = tl.steps = tl.steps + 1
+        tl.recent = tl.recent * RECENT_DECAY ** (self.updates - tl.recent_at) + 1.0
+        tl.recent_at = self.updates
         tl.plays[g] += 1
         tl.last_played[g] = steps
         if g == tl.arm:  # the bin's observed loss, prefill rows taken out as the prediction does
@@ -372,14 +382,21 @@ class NightjarPolicy(GammaPolicy):
         ``table_margin`` here (``rare_table_margin`` for a rarely visited bucket), else (this
         bucket's own choice, None)."""
         near = [i for i in (bucket - 1, bucket + 1) if 0 <= i < len(self.timelines)]
-        leader = max(near, key=lambda i: self.timelines[i].steps, default=None)
-        if leader is None or self.timelines[leader].steps <= tl.steps or self.timelines[leader].follows == bucket:
+        leader = max(near, key=lambda i: self._recent(self.timelines[i]), default=None)
+        if leader is None or self.timelines[leader].follows == bucket:
+            return own, None
+        own_visits, leader_visits = self._recent(tl), self._recent(self.timelines[leader])
+        if leader_visits <= own_visits:
             return own, None
         ref = self.timelines[leader].exploit_arm
-        rare = 8 * tl.steps < self.timelines[leader].steps
+        rare = 8 * own_visits < leader_visits
         if loss[ref] <= loss[own] * (1.0 + (self.settings.rare_table_margin if rare else self.settings.table_margin)):
             return ref, leader
         return own, None
+
+    def _recent(self, tl: _Timeline) -> float:
+        """The bucket's visits, decayed to now."""
+        return tl.recent * RECENT_DECAY ** (self.updates - tl.recent_at)
 
     def _probe_choice(self, tl: _Timeline, loss: np.ndarray, hopeful: np.ndarray) -> int | None:
         """``hopeful``: the arms' losses at optimistic acceptance (see ``probe_optimism``)."""
@@ -434,7 +451,8 @@ class NightjarPolicy(GammaPolicy):
             "residency": self.residency_ctl.state_dict(),
             "timelines": [{"arm": t.arm, "exploit_arm": t.exploit_arm, "block": t.block, "bin_index": t.bin_index,
                            "steps": t.steps, "plays": t.plays, "last_played": t.last_played,
-                           "catchup": t.catchup, "recent_plays": t.recent_plays, "hist": list(t.hist)} for t in self.timelines],
+                           "catchup": t.catchup, "recent_plays": t.recent_plays, "hist": list(t.hist),
+                           "recent": [t.recent, t.recent_at]} for t in self.timelines],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -458,5 +476,7 @@ class NightjarPolicy(GammaPolicy):
             tl.last_played = [int(x) for x in row["last_played"]]
             tl.catchup = [float(x) for x in row["catchup"]]
             tl.recent_plays = [float(x) for x in row.get("recent_plays", [0.0] * arms)]
+            recent, recent_at = row.get("recent", [0.0, 0])
+            tl.recent, tl.recent_at = float(recent), int(recent_at)
             tl.hist = [float(x) for x in row["hist"]]
             tl._support = None

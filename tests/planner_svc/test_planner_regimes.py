@@ -195,3 +195,27 @@ def test_live_steps_at_a_small_batch_switch_rarely(recording):
     switches = sum(a != b for a, b in zip(steady, steady[1:]))
     assert 1000 * switches / len(steady) <= 10, switches
     assert min(steady) > 0  # speculation pays at these batch sizes (fixed:2-3 beat off by 1.2-1.3x live)
+
+
+def test_a_bucket_follows_the_neighbour_busy_now_not_the_one_busy_before():
+    # A live planner that served one client for minutes and then four (the engine steps read back
+    # from its stats stream, 10,007 steps). Batch 2 took its γ from batch 1, the neighbour with
+    # more steps in all, though 3-4 was the busy one now: bucket 3-4 played γ = 2, batch 2 γ = 3,
+    # and every dip to 2 was two switches (37 per 1,000 steps live). Busier means recent visits.
+    import json
+
+    from nightjar.messages import StepStats
+
+    data = json.loads((Path(__file__).parent / "data" / "live_stats_serve_1_then_4.json").read_text())
+    policy = make_policy("nightjar", gamma_max=4, seed=0)
+    played = []
+    for i, values in enumerate(data["rows"]):
+        row = dict(zip(data["fields"], values))
+        row["accepted_per_position"] = tuple(row["accepted_per_position"])
+        policy.update(StepStats(worker_id="w0", step=i, unix_ms=0, step_ms=0.0, draft_residency="resident", **row))
+        if row["batch_size"] > 0:
+            played.append((row["batch_size"], policy.gamma_for(row["batch_size"])))
+    start = next(i for i, (batch, _) in enumerate(played) if batch >= 2)  # the four clients arrive
+    steady = [g for _, g in played[start + 500:]]
+    switches = sum(a != b for a, b in zip(steady, steady[1:]))
+    assert 1000 * switches / len(steady) <= 10, switches
