@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -35,6 +36,19 @@ from nightjar_tools.bench.workload import PromptBank, build  # noqa: E402
 
 def gamma_of(policy: str) -> int:
     return 0 if policy == "off" else int(policy.split(":", 1)[1])
+
+
+def cpu_seconds(stack) -> dict[str, float]:
+    """CPU seconds (user + system) each service of ``stack`` has used so far, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for svc in stack.services:
+        try:
+            fields = Path(f"/proc/{svc.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, AttributeError):
+            continue
+        out[svc.name] = out.get(svc.name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 async def run(a: argparse.Namespace, out: Path) -> list[dict]:
@@ -57,26 +71,30 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
                     stack = learner if policy == "nightjar" else static
                     await wait_idle(stack)
                     speed = speed_probe_ms()
+                    cpu0 = cpu_seconds(stack)
                     if policy == "nightjar":
                         result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | closed:{c}")
                     else:
                         version += 100_000
                         async with KeepPublished(stack, gamma_of(policy), name=policy, first_version=version):
                             result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | closed:{c}")
+                    cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_seconds(stack).items()}
                     r = report.summarize(result, steps, warmup_s=wl.warmup_s)
                     rows.append({"clients": c, "round": rnd, "policy": policy, "tokens_per_s": r["tokens_per_s"],
                                  "ok": r["ok"], "sent": r["sent"], "steps": steps["steps"],
                                  "gamma_switches": steps["gamma_switches"], "spec_step_share": steps["spec_step_share"],
-                                 "mean_batch": steps["mean_batch"], "speed_probe_ms": speed, "unix": time.time()})
+                                 "mean_batch": steps["mean_batch"], "speed_probe_ms": speed, "unix": time.time(),
+                                 "cpu_s": cpu, "wall_s": result.wall_s})
                     print(f"closed:{c} round {rnd + 1}/{a.rounds} {policy}: {r['tokens_per_s']:.1f} tok/s, "
-                          f"{steps['gamma_switches']} switches / {steps['steps']} steps", file=sys.stderr, flush=True)
+                          f"{steps['gamma_switches']} switches / {steps['steps']} steps, CPU s "
+                          + " ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items())), file=sys.stderr, flush=True)
                     (out / "results.json").write_text(json.dumps({"args": vars(a), "runs": rows}, indent=1, default=str))
     return rows
 
 
 def table(rows: list[dict], statics: list[str]) -> str:
     lines = ["| clients | " + " | ".join(f"`{p}`" for p in statics) + " | `nightjar` | ÷ best static, per round (median) "
-             "| switches / 1,000 steps |", "|---:|" + "---:|" * (len(statics) + 3)]
+             "| switches / 1,000 steps | nightjar planner CPU, % of a core |", "|---:|" + "---:|" * (len(statics) + 4)]
     for c in dict.fromkeys(r["clients"] for r in rows):
         at = [r for r in rows if r["clients"] == c]
         mean = {p: statistics.mean(r["tokens_per_s"] for r in at if r["policy"] == p) for p in [*statics, "nightjar"]}
@@ -87,8 +105,10 @@ def table(rows: list[dict], statics: list[str]) -> str:
                 ratios.append(tps["nightjar"] / max(tps[p] for p in statics))
         nj = [r for r in at if r["policy"] == "nightjar"]
         switches = 1000 * sum(r["gamma_switches"] for r in nj) / max(sum(r["steps"] for r in nj), 1)
+        planner = 100 * sum(r["cpu_s"].get("planner", 0.0) for r in nj) / max(sum(r["wall_s"] for r in nj), 1e-9)
         lines.append(f"| {c} | " + " | ".join(f"{mean[p]:.0f}" for p in statics) + f" | {mean['nightjar']:.0f} | "
-                     + ", ".join(f"{x:.3f}" for x in ratios) + f" (**{statistics.median(ratios):.3f}**) | {switches:.1f} |")
+                     + ", ".join(f"{x:.3f}" for x in ratios) + f" (**{statistics.median(ratios):.3f}**) | {switches:.1f} "
+                     f"| {planner:.0f} |")
     return "\n".join(lines)
 
 
