@@ -170,14 +170,9 @@ def test_live_steps_keep_the_cost_model_sane():
     assert min(policy.cost.per_seq.mean[x] for x in policy.cost.per_seq.xs) >= 0
 
 
-@pytest.mark.parametrize("recording", ["live_stats_closed4.json", "live_stats_serve_closed4.json"])
-def test_live_steps_at_a_small_batch_switch_rarely(recording):
-    # Engine steps recorded from a live stack, 4 closed-loop clients: the batch sits at 4 and dips
-    # to 1-3 as requests end. The tiny pair's recording once made the policy change the γ a step
-    # runs at 25 times per 1,000 steps: 8-step bins missing their prediction on acceptance luck
-    # restarted the schedule, γ 3 and 4 within 1% flipped, and bucket 2-2 lagged 3-4's changes.
-    # The serve pair's (3,908 steps), 14-19: batch 2, seen in 1 of 30 steps, kept its own γ = 4
-    # beside bucket 3-4's γ = 3, so every dip to 2 was two switches (rare_table_margin).
+def replay(recording: str) -> list[tuple[int, int]]:
+    """Feed recorded live engine steps to a fresh nightjar policy; (batch, γ it would run) per
+    decode step, as the table stands after the step."""
     import json
 
     from nightjar.messages import StepStats
@@ -190,7 +185,19 @@ def test_live_steps_at_a_small_batch_switch_rarely(recording):
         row["accepted_per_position"] = tuple(row["accepted_per_position"])
         policy.update(StepStats(worker_id="w0", step=i, unix_ms=0, step_ms=0.0, draft_residency="resident", **row))
         if row["batch_size"] > 0:
-            played.append(policy.gamma_for(row["batch_size"]))
+            played.append((row["batch_size"], policy.gamma_for(row["batch_size"])))
+    return played
+
+
+@pytest.mark.parametrize("recording", ["live_stats_closed4.json", "live_stats_serve_closed4.json"])
+def test_live_steps_at_a_small_batch_switch_rarely(recording):
+    # Engine steps recorded from a live stack, 4 closed-loop clients: the batch sits at 4 and dips
+    # to 1-3 as requests end. The tiny pair's recording once made the policy change the γ a step
+    # runs at 25 times per 1,000 steps: 8-step bins missing their prediction on acceptance luck
+    # restarted the schedule, γ 3 and 4 within 1% flipped, and bucket 2-2 lagged 3-4's changes.
+    # The serve pair's (3,908 steps), 14-19: batch 2, seen in 1 of 30 steps, kept its own γ = 4
+    # beside bucket 3-4's γ = 3, so every dip to 2 was two switches (rare_table_margin).
+    played = [gamma for _, gamma in replay(recording)]
     steady = played[len(played) // 4:]
     switches = sum(a != b for a, b in zip(steady, steady[1:]))
     assert 1000 * switches / len(steady) <= 10, switches
@@ -202,19 +209,7 @@ def test_a_bucket_follows_the_neighbour_busy_now_not_the_one_busy_before():
     # from its stats stream, 10,007 steps). Batch 2 took its γ from batch 1, the neighbour with
     # more steps in all, though 3-4 was the busy one now: bucket 3-4 played γ = 2, batch 2 γ = 3,
     # and every dip to 2 was two switches (37 per 1,000 steps live). Busier means recent visits.
-    import json
-
-    from nightjar.messages import StepStats
-
-    data = json.loads((Path(__file__).parent / "data" / "live_stats_serve_1_then_4.json").read_text())
-    policy = make_policy("nightjar", gamma_max=4, seed=0)
-    played = []
-    for i, values in enumerate(data["rows"]):
-        row = dict(zip(data["fields"], values))
-        row["accepted_per_position"] = tuple(row["accepted_per_position"])
-        policy.update(StepStats(worker_id="w0", step=i, unix_ms=0, step_ms=0.0, draft_residency="resident", **row))
-        if row["batch_size"] > 0:
-            played.append((row["batch_size"], policy.gamma_for(row["batch_size"])))
+    played = replay("live_stats_serve_1_then_4.json")
     start = next(i for i, (batch, _) in enumerate(played) if batch >= 2)  # the four clients arrive
     steady = [g for _, g in played[start + 500:]]
     switches = sum(a != b for a, b in zip(steady, steady[1:]))
