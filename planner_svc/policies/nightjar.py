@@ -43,8 +43,8 @@ class NightjarSettings:
     # A bucket takes its busier neighbour's γ when that is predicted within this of its own best:
     # a batch that hovers at a bucket boundary would otherwise switch γ at every crossing.
     table_margin: float = 0.03
-    # ... and within this when it sees under 1/8 of that bucket's steps: a rare visit saves
-    # little by playing its own γ, and each visit costs two switches (there and back).
+    # ... and within this when it has under 1/8 of that bucket's recent visits: a rare visit
+    # saves little by playing its own γ, and each visit costs two switches (there and back).
     rare_table_margin: float = 0.15
     probe_budget: float = 0.05  # a probe runs at full rate if it costs <= 5% of the next bin's time
     change_tolerance: float = 0.3
@@ -66,8 +66,8 @@ class NightjarSettings:
             raise ValueError("need 0 <= epsilon_min <= epsilon0 <= 1")
         if not 0 < self.probe_budget <= 1:
             raise ValueError(f"probe_budget must be in (0, 1], got {self.probe_budget}")
-        if (self.probe_margin < 0 or self.probe_optimism < 0 or self.switch_margin < 0 or self.table_margin < 0 or self.rare_table_margin < 0 or self.change_tolerance <= 0
-                or self.initial_gamma < 0):
+        if (min(self.probe_margin, self.probe_optimism, self.switch_margin, self.table_margin, self.rare_table_margin) < 0
+                or self.change_tolerance <= 0 or self.initial_gamma < 0):
             raise ValueError("margins must be >= 0, change_tolerance > 0, initial_gamma >= 0")
 
 
@@ -158,17 +158,22 @@ class NightjarPolicy(GammaPolicy):
     at bin ends, so γ changes at most twice per bin (probe and return). At a bin end the next bin
     exploits argmin L, switching only if the gain beats ``switch_margin`` plus the expected draft
     catch-up C amortised over the bin's tokens, and takes the busier neighbouring bucket's γ when
-    that is within ``table_margin`` (a batch hovering at a boundary does not flip γ). With
-    probability ε_j = max(ε_min, ε_0/(1+j)) it is instead a short probe bin (bin_base steps) of the cheapest uncertain arm predicted within
-    ``probe_margin`` of the greedy one (else a neighbour γ±1). A probe whose predicted extra time
-    (its excess loss, plus C when it turns the draft on, or the catch-up of its own steps when it
-    turns the draft off) exceeds ``probe_budget`` of the next bin's time has its probability
-    scaled by (budget/extra)², because at high load its stall also delays every queued request. C = measured ms per catch-up token × batch × lag, summed over workers,
-    the lag being the γ=0 steps in a row each worker reports (its whole context after a long run).
-    So at low load γ>0 keeps being probed and estimates keep refreshing (no deadlock at γ=0), while
-    at high load a probe after a long γ=0 run is rare. Never-visited buckets start at the model's
-    choice, capped by the next smaller bucket's γ; a bin whose observed loss misses its prediction
-    by more than ``change_tolerance`` (over at least ``change_min_tokens`` tokens of exploit bins) restarts
+    that is within ``table_margin`` (``rare_table_margin`` where this bucket has few of the
+    neighbour's recent visits; a batch hovering at a boundary does not flip γ). With probability
+    ε_j = max(ε_min, ε_0/(1+j)) it is instead a short probe bin (bin_base steps) of the cheapest
+    uncertain arm predicted within ``probe_margin`` of the greedy one; else of a neighbour γ±1:
+    at rate ε_0 one whose optimistic value beats the arm in force, at ε_min the one played least
+    recently. Probes value arms optimistically: acceptance ``probe_optimism`` standard errors up,
+    and the step model's optimistic extrapolation. A probe whose predicted extra time (its excess
+    loss, plus C when it turns the draft on, or the catch-up of its own steps when it turns the
+    draft off) exceeds ``probe_budget`` of the next bin's time has its probability scaled by
+    (budget/extra)², because at high load its stall also delays every queued request. C =
+    measured ms per catch-up token × batch × lag, summed over workers, the lag being the γ=0
+    steps in a row each worker reports (its whole context after a long run). So at low load γ>0
+    keeps being probed and estimates keep refreshing (no deadlock at γ=0), while at high load a
+    probe after a long γ=0 run is rare. Never-visited buckets start at the model's choice, capped
+    by the next smaller bucket's γ; a bin whose observed loss misses its prediction by more than
+    ``change_tolerance`` (over at least ``change_min_tokens`` tokens of exploit bins) restarts
     the bucket's schedule at block 0.
     """
 
