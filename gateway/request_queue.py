@@ -15,7 +15,7 @@ from nightjar import metrics as m
 from nightjar.dispatch_lease import DirectDispatch
 from nightjar.keys import Keys
 from nightjar.messages import Cancel, Job, OutputChunk
-from nightjar.service_util import is_cluster_client
+from nightjar.service_util import write_and_publish
 
 log = logging.getLogger("gateway")
 
@@ -111,15 +111,9 @@ class RequestQueue:
 
     async def _cancel(self, request_id: str, reason: str) -> None:
         try:
-            cancel = Cancel(request_id, reason).encode()
-            if is_cluster_client(self._redis):  # a Cluster pipeline refuses PUBLISH: key first, then the message
-                await self._redis.set(self._keys.cancel(request_id), reason, px=self._cancel_ttl_ms)
-                await self._redis.publish(self._keys.cancel_channel, cancel)
-                return
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.set(self._keys.cancel(request_id), reason, px=self._cancel_ttl_ms)
-                pipe.publish(self._keys.cancel_channel, cancel)
-                await pipe.execute()
+            await write_and_publish(self._redis, lambda pipe: pipe.set(self._keys.cancel(request_id), reason,
+                                                                        px=self._cancel_ttl_ms),
+                                    self._keys.cancel_channel, Cancel(request_id, reason).encode())
         except Exception as exc:  # Redis down: the key check on re-dispatch cannot help either; log it
             log.warning("could not cancel %s: %s", request_id, exc)
 

@@ -85,20 +85,37 @@ def is_cluster_url(url: str) -> bool:
 
 
 def is_cluster_client(redis) -> bool:
-    """A redis-py cluster client: its pipelines refuse PUBLISH (a command without a key), so a
-    publish that rides in a pipeline on one Redis is sent right after it on Cluster."""
     from redis.asyncio.cluster import RedisCluster
 
     return isinstance(redis, RedisCluster)
 
 
-def _cluster_url_parts(url: str) -> tuple[str, list[tuple[str, int]]]:
-    """``redis+cluster://[user:pw@]host:port[,host:port...][/0][?opts]`` -> (a redis:// URL of the
-    first node, for the credentials, TLS and options; every node as (host, port), the seeds)."""
+async def write_and_publish(redis, write: Callable[[Any], None], channel: str, message: bytes, *,
+                            transaction: bool = False) -> None:
+    """``write(pipe)`` and a PUBLISH in one round trip. A Cluster pipeline refuses PUBLISH (it has
+    no key), so there the message goes right after the pipeline, in the same order."""
+    cluster = is_cluster_client(redis)
+    async with redis.pipeline(transaction=transaction) as pipe:
+        write(pipe)
+        if not cluster:
+            pipe.publish(channel, message)
+        await pipe.execute()
+    if cluster:
+        await redis.publish(channel, message)
+
+
+def _split_hosts(url: str) -> tuple[str, str, str]:
+    """``scheme://[creds@]hosts[/db][?opts]`` -> ("scheme://creds@", hosts, "/db?opts")."""
     scheme, _, rest = url.partition("://")
     creds, at, hostpart = rest.rpartition("@")
     cut = min((i for i in (hostpart.find("/"), hostpart.find("?")) if i >= 0), default=len(hostpart))
-    hosts, tail = hostpart[:cut], hostpart[cut:]
+    return f"{scheme}://{creds}{at}", hostpart[:cut], hostpart[cut:]
+
+
+def _cluster_url_parts(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """``redis+cluster://[user:pw@]host:port[,host:port...][/0][?opts]`` -> (a redis:// URL of the
+    first node, for the credentials, TLS and options; every node as (host, port), the seeds)."""
+    head, hosts, tail = _split_hosts(url)
     nodes = []
     for h in hosts.split(","):
         host, colon, port = h.strip().rpartition(":")
@@ -107,18 +124,14 @@ def _cluster_url_parts(url: str) -> tuple[str, list[tuple[str, int]]]:
         nodes.append((host, int(port)))
     if tail.split("?", 1)[0] not in ("", "/", "/0"):
         raise ValueError(f"redis cluster url: Cluster has only database 0, got {masked(url)!r}")
-    base = scheme.removesuffix("+cluster")
-    return f"{base}://{creds}{at}{nodes[0][0]}:{nodes[0][1]}{tail}", nodes
+    return f"{head.replace('+cluster://', '://', 1)}{nodes[0][0]}:{nodes[0][1]}{tail}", nodes
 
 
 def node_url(url: str, host: str, port: int) -> str:
     """A single-node ``redis://`` (or ``rediss://``) URL of one cluster node, with ``url``'s
     credentials and options."""
-    first, _ = _cluster_url_parts(url)
-    scheme, _, rest = first.partition("://")
-    creds, at, hostpart = rest.rpartition("@")
-    cut = min((i for i in (hostpart.find("/"), hostpart.find("?")) if i >= 0), default=len(hostpart))
-    return f"{scheme}://{creds}{at}{host}:{port}{hostpart[cut:]}"
+    head, _, tail = _split_hosts(_cluster_url_parts(url)[0])
+    return f"{head}{host}:{port}{tail}"
 
 
 def masked(url: str) -> str:

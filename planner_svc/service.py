@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 
 from nightjar.keys import Keys
 from nightjar.messages import MessageError, PlannerState, Policy, StepStats
-from nightjar.service_util import is_cluster_client
+from nightjar.service_util import write_and_publish
 from nightjar.streams import ensure_group
 from planner_svc.config import PlannerConfig
 from planner_svc.policies import GammaPolicy, make_policy
@@ -121,14 +121,9 @@ class PlannerService:
         self.version += 1
         policy = self.current_policy()
         blob = policy.encode()
-        cluster = is_cluster_client(self.redis)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(self.keys.policy, blob)
-            if not cluster:
-                pipe.publish(self.keys.policy_channel, blob)
-            await pipe.execute()
-        if cluster:  # after the SET, as in the MULTI block (workers reload the key on every resubscription)
-            await self.redis.publish(self.keys.policy_channel, blob)
+        # workers reload the key on every resubscription, so the SET goes first
+        await write_and_publish(self.redis, lambda pipe: pipe.set(self.keys.policy, blob), self.keys.policy_channel,
+                                blob, transaction=True)
         self.published, self.published_at = decision, time.monotonic()
         self.published_policy = policy
         try:
