@@ -205,3 +205,26 @@ def redis_url(redis_server) -> str:
 def key_prefix() -> str:
     """A fresh key prefix per test, so tests sharing the server never see each other's keys."""
     return f"t{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """A real 3-primary Redis Cluster (tests/redis_cluster.py), shared by the session: tests
+    give their keys a fresh hash-tag prefix and ask it which node owns their slot."""
+    from tests.redis_cluster import LocalCluster
+
+    with LocalCluster(tmp_path_factory.mktemp("cluster")) as c:
+        yield c
+
+
+@pytest.fixture(params=["redis", pytest.param("cluster", marks=pytest.mark.slow)])
+def any_redis(request, key_prefix) -> tuple[str, str]:
+    """(URL, key prefix): one redis-server, then the session's Redis Cluster through a
+    ``redis+cluster://`` URL whose only seed node does not own the prefix's slot (so every
+    command is routed) and a hash-tag prefix. A test taking it runs against both."""
+    if request.param == "redis":
+        return request.getfixturevalue("redis_url"), key_prefix
+    cluster = request.getfixturevalue("cluster")
+    prefix = "{" + key_prefix + "}"
+    owner = cluster.owner(Keys(prefix).requests)
+    return f"redis+cluster://127.0.0.1:{next(p for p in cluster.ports if p != owner)}", prefix

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -42,10 +41,11 @@ from nightjar.service_util import (
     now_ms,
 )
 from nightjar_client import AsyncClient
-from nightjar_tools.redis_server import free_port, redis_server_binary
+from nightjar_tools.redis_server import free_port
 from nightjar_tools.stack import Stack, StackConfig
 from scheduler_svc.config import SchedulerConfig
 from tests.conftest import pair
+from tests.redis_cluster import LocalCluster
 from worker.service import redis_ops
 
 SCRIPTS = {"lease": dispatch_lease._ENQUEUE, "write outputs": redis_ops._WRITE_OUTPUTS,
@@ -91,61 +91,7 @@ def test_a_cluster_url_names_seed_nodes_and_needs_a_tagged_prefix():
 
 
 # --------------------------------------------------------------------------- a real cluster
-
-
-def _free_cluster_port() -> int:
-    while True:  # the node's bus listens on port + 10000
-        port = free_port()
-        if port + 10000 < 65536:
-            try:
-                import socket
-
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + 10000))
-                return port
-            except OSError:
-                continue
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    server = redis_server_binary()
-    cli = str(Path(server).with_name("redis-cli"))
-    ports, procs = [], []
-    try:
-        for _ in range(3):
-            port = _free_cluster_port()
-            d = tmp_path_factory.mktemp(f"node{port}")
-            procs.append(subprocess.Popen(
-                [server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                 "--cluster-config-file", str(d / "nodes.conf"), "--cluster-node-timeout", "5000",
-                 "--save", "", "--appendonly", "no", "--dir", str(d), "--loglevel", "warning"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-            ports.append(port)
-        for port in ports:
-            _wait(lambda: redis.Redis(port=port, socket_timeout=1).ping(), f"node {port}")
-        out = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
-                              "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stdout + out.stderr
-        for port in ports:
-            _wait(lambda: redis.Redis(port=port).cluster("info")["cluster_state"] == "ok", f"cluster state ok on {port}")
-        yield ports
-    finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(10)
-
-
-def _wait(check, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if check():
-                return
-        except redis.RedisError:
-            pass
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+# (the session's `cluster` fixture: tests/conftest.py, tests/redis_cluster.py)
 
 
 async def beat(r, keys, wid, kv_free=100, running=0, draining=False):
@@ -164,7 +110,7 @@ async def send(direct, rid) -> str | None:
 
 @pytest.mark.slow
 async def test_the_lease_script_runs_on_a_cluster(cluster):
-    r = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in cluster])
+    r = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in cluster.ports])
     try:
         keys = Keys(f"{{c{uuid.uuid4().hex[:6]}}}")
         direct = DirectDispatch(r, keys, assignment_ttl_s=60.0)
@@ -192,7 +138,7 @@ async def test_the_lease_script_runs_on_a_cluster(cluster):
 
 @pytest.mark.slow
 async def test_an_untagged_prefix_is_refused_by_the_cluster_not_misrouted(cluster):
-    r = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in cluster])
+    r = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in cluster.ports])
     try:
         keys = Keys(f"c{uuid.uuid4().hex[:6]}")
         await beat(r, keys, "w1")
@@ -222,7 +168,7 @@ async def test_every_key_of_a_running_stack_is_in_one_slot(cluster):
         r.close()
     kinds = {k[len(prefix) + 1:].split(b":", 1)[0] for k in seen}
     assert {b"requests", b"leases", b"hb", b"inbox", b"out", b"assign", b"worker_jobs", b"stats"} <= kinds, kinds
-    node = redis.Redis(port=cluster[0])
+    node = redis.Redis(port=cluster.ports[0])
     slots = {node.execute_command("CLUSTER KEYSLOT", k) for k in seen}
     assert len(slots) == 1, slots
     # Without the tag the same names spread over the cluster: the tag is what holds them together.
@@ -236,13 +182,13 @@ async def test_the_services_clients_reach_a_cluster_past_a_dead_seed(cluster):
     puts the reader's two connections on the primary that owns the slot."""
     prefix = f"{{c{uuid.uuid4().hex[:6]}}}"
     keys = Keys(prefix)
-    url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{cluster[1]}"
+    url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{cluster.ports[1]}"
     r = connect_redis(url, timeout_s=1.0)
     pin = SlotNode(url, r, keys.data_mark, timeout_s=1.0, block_margin_s=5.0)
     try:
         assert await r.set(keys.data_mark, b"m") and await r.get(keys.data_mark) == b"m"
         reader, control = await pin.clients()
-        assert reader.connection_pool.connection_kwargs["port"] == _owner_port(cluster, keys.data_mark)
+        assert reader.connection_pool.connection_kwargs["port"] == cluster.owner(keys.data_mark)
         assert await control.get(keys.data_mark) == b"m"  # no MOVED: it is the owner
         # CLIENT UNBLOCK from the control connection ends the reader's blocking XREAD at once.
         rid = int(await reader.client_id())
@@ -259,19 +205,6 @@ async def test_the_services_clients_reach_a_cluster_past_a_dead_seed(cluster):
         await pin.aclose()
         await r.delete(keys.data_mark)
         await r.aclose()
-
-
-def _owner_port(cluster: list[int], key: str) -> int:
-    """The port of the primary that owns ``key``'s slot, as the cluster itself says."""
-    node = redis.Redis(port=cluster[0])
-    try:
-        slot = int(node.execute_command("CLUSTER KEYSLOT", key))
-        for start, end, primary, *_replicas in node.execute_command("CLUSTER SLOTS"):
-            if start <= slot <= end:
-                return int(primary[1])
-    finally:
-        node.close()
-    raise AssertionError(f"no node owns the slot of {key}")
 
 
 def _wait_async(check, what: str, timeout_s: float = 30.0):
@@ -295,8 +228,8 @@ async def test_a_whole_stack_runs_on_a_cluster(cluster):
     that owner, and the planner's policy reaches the worker over Cluster pub/sub."""
     prefix = f"{{c{uuid.uuid4().hex[:6]}}}"
     keys = Keys(prefix)
-    owner = _owner_port(cluster, keys.policy)
-    seed = next(p for p in cluster if p != owner)
+    owner = cluster.owner(keys.policy)
+    seed = next(p for p in cluster.ports if p != owner)
     cfg = StackConfig(port=0, workers=1, key_prefix=prefix, redis_url=f"redis+cluster://127.0.0.1:{seed}",
                       worker_threads=1)  # the shipped default models and policy
     with Stack(cfg) as stack:
@@ -322,7 +255,7 @@ async def test_a_whole_stack_runs_on_a_cluster(cluster):
             assert hb.worker_id == wid and on_owner.exists(keys.leases)
             assert Policy.decode(await rc.get(keys.policy)).version == policy.version  # the same key, routed
             # Every key of the stack lives on the owner node, none elsewhere.
-            for port in cluster:
+            for port in cluster.ports:
                 node = redis.Redis(port=port)
                 found = list(node.scan_iter(match=f"{prefix}:*", count=1000))
                 node.close()
@@ -346,7 +279,7 @@ async def test_a_whole_stack_runs_on_a_cluster(cluster):
         assert bad not in logs, f"{bad!r} in the services' logs:\n{logs[-4000:]}"
 
 
-def _move_slot(cluster: list[int], slot: int, src_port: int, dst_port: int) -> None:
+def _move_slot(cluster: LocalCluster, slot: int, src_port: int, dst_port: int) -> None:
     """Reshard one slot the way ``redis-cli --cluster reshard`` does: IMPORTING/MIGRATING, MIGRATE
     every key (DUMP/RESTORE: streams keep their consumer groups), then the new owner everywhere."""
     src, dst = redis.Redis(port=src_port), redis.Redis(port=dst_port)
@@ -356,7 +289,7 @@ def _move_slot(cluster: list[int], slot: int, src_port: int, dst_port: int) -> N
         src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
         while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 1000):
             src.execute_command("MIGRATE", "127.0.0.1", dst_port, "", 0, 5000, "KEYS", *keys)
-        for port in [dst_port, src_port, *(p for p in cluster if p not in (src_port, dst_port))]:
+        for port in [dst_port, src_port, *(p for p in cluster.ports if p not in (src_port, dst_port))]:
             node = redis.Redis(port=port)
             node.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
             node.close()
@@ -372,10 +305,10 @@ async def test_a_stack_follows_its_slot_to_another_node(cluster):
     second request streams every token from the new owner."""
     prefix = f"{{c{uuid.uuid4().hex[:6]}}}"
     keys = Keys(prefix)
-    before = _owner_port(cluster, keys.policy)
-    after = next(p for p in cluster if p != before)
+    before = cluster.owner(keys.policy)
+    after = next(p for p in cluster.ports if p != before)
     cfg = StackConfig(port=0, workers=1, key_prefix=prefix, worker_threads=1,
-                      redis_url="redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in cluster))
+                      redis_url=cluster.url)
     with Stack(cfg) as stack:
         async with AsyncClient(stack.address) as c:
             async def one(text: str) -> list[int]:
@@ -387,7 +320,7 @@ async def test_a_stack_follows_its_slot_to_another_node(cluster):
             assert len(await one("The old lighthouse keeper")) == 16
             slot = int(redis.Redis(port=before).execute_command("CLUSTER KEYSLOT", keys.policy))
             _move_slot(cluster, slot, before, after)
-            assert _owner_port(cluster, keys.policy) == after
+            assert cluster.owner(keys.policy) == after
             assert len(await one("The old lighthouse keeper")) == 16
             await asyncio.sleep(1.0)  # heartbeats, stats and policy written since the move
             assert len(await one("A second request")) == 16
