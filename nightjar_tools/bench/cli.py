@@ -57,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
                       help="the whole headline matrix: every peer policy (incl. ema, heuristic) on burst, oscillation, "
                            "ramp, the Azure replays and steady low/overload, 3 repeats (hours; progress and ETA on stderr)")
     p.add_argument("--target", default=None, help="HOST:PORT of a running stack (no restarts, no comparison)")
-    p.add_argument("--redis-url", default=None, help="with --target: the stack's Redis, for the engine-side metrics")
+    p.add_argument("--redis-url", default=None, help="with --target: the stack's Redis (redis:// or redis+cluster://), for the engine-side metrics")
     p.add_argument("--key-prefix", default="nj")
     p.add_argument("--policies", nargs="+", default=None,
                    help="policy specs; G stands for the calibrated best γ at batch 1 (default: the full set)")

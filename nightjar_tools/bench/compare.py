@@ -31,6 +31,7 @@ from nightjar_tools.bench.probe import StackProbe, summarize_steps
 from nightjar_tools.bench.workload import LengthScale, PromptBank, Workload, build
 from nightjar.keys import Keys
 from nightjar.messages import Policy
+from nightjar.service_util import connect_redis, write_and_publish
 from nightjar_tools.stack import Stack, StackConfig
 from planner_svc.config import PlannerConfig
 from planner_svc.simulator.trace import synthetic_lengths
@@ -210,16 +211,13 @@ def _fixed_workload(n: int, prompt_tokens: int, output_tokens: int, gap_s: float
 async def _publish(stack: Stack, gamma: int, version: int, table: dict[int, int] | None = None, name: str = "") -> None:
     """Publish a policy to a stack without a planner: ``gamma`` everywhere, or ``table``
     ({bucket upper bound: γ}; the last bucket also covers larger batches)."""
-    import redis.asyncio as aioredis
-
     keys = Keys(stack.cfg.key_prefix)
     bounds, gammas = (tuple(table), tuple(table.values())) if table else ((1,), (gamma,))
     pol = Policy(version=version, unix_ms=int(time.time() * 1000), ttl_s=3600.0, bucket_upper_bounds=bounds,
                  gamma_by_bucket=gammas, name=name or f"bench-calibration-{gamma}")
-    r = aioredis.Redis.from_url(stack.redis_url)
+    r = connect_redis(stack.redis_url)
     try:
-        await r.set(keys.policy, pol.encode())
-        await r.publish(keys.policy_channel, pol.encode())
+        await write_and_publish(r, lambda pipe: pipe.set(keys.policy, pol.encode()), keys.policy_channel, pol.encode())
     finally:
         await r.aclose()
 

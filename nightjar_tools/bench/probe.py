@@ -4,24 +4,24 @@ Workers' heartbeats give the instantaneous state (running, waiting, γ in force,
 residency, KV blocks); the step statistics stream (``keys.stats``, ``messages.StepStats``) gives
 every engine step. The stream is capped, so the probe reads it incrementally on every sample
 rather than once at the end, and keeps only the steps of its own run (it starts after the
-stream's last id at ``start``).
+stream's last id at ``start``). ``redis_url`` is any URL the services take, ``redis+cluster://``
+included (``connect_redis``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-import redis.asyncio as aioredis
-
 from nightjar.keys import Keys
 from nightjar.messages import Heartbeat, MessageError, StepStats
+from nightjar.service_util import connect_redis
 from planner_svc.policies.base import DEFAULT_BUCKETS, bucket_index
 
 
 class StackProbe:
     def __init__(self, redis_url: str, key_prefix: str = "nj") -> None:
         self.keys = Keys(key_prefix)
-        self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=5)
+        self._redis = connect_redis(redis_url, timeout_s=2.0, block_margin_s=5.0)
         self._last_id = b"0-0"
         self.steps: list[StepStats] = []
         self.undecodable = 0

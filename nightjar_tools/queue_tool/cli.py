@@ -4,7 +4,8 @@
     nightjar queue dlq requeue ID --yes | dlq purge --yes              (the only mutations)
     nightjar queue watch [--interval-s 1] [--iterations N]             (Ctrl-C stops)
 
-Connection: ``--redis-url``, ``--prefix`` and the TLS flags (``--help``). Exit codes: 0 ok,
+Connection: ``--redis-url``, ``--prefix`` and the TLS flags (``--help``); a ``redis+cluster://``
+URL (Redis Cluster) goes through the services' own client, with their hash-tag prefix. Exit codes: 0 ok,
 1 Redis unreachable, 2 bad usage or a mutation refused (no ``--yes``, unknown id).
 """
 
@@ -18,11 +19,12 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 import redis
+from redis.exceptions import RedisClusterException
 from rich.console import Console
 from rich.live import Live
 
 from nightjar.keys import Keys
-from nightjar.service_util import EnvDefaults, env_defaults, masked
+from nightjar.service_util import EnvDefaults, check_redis_url, connect_redis_sync, env_defaults, masked
 
 from . import render
 from .mutate import MutationError, purge, requeue
@@ -46,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False, formatter_class=fmt)
     # The URL's default is resolved in main(): a password inside it must not show up in --help.
     common.add_argument("--redis-url", default=None,
-                        help=f"redis:// or rediss:// URL (None = env NIGHTJAR_REDIS_URL, else {EnvDefaults().redis_url})")
+                        help="redis:// or rediss:// URL, redis+cluster://host:port[,host:port] for Redis Cluster (with a "
+                             f"'{{tag}}' --prefix) (None = env NIGHTJAR_REDIS_URL, else {EnvDefaults().redis_url})")
     common.add_argument("--redis-password", default=None, help="password (overrides one in the URL)")
     common.add_argument("--tls", action="store_true", help="connect with TLS (same as a rediss:// URL)")
     common.add_argument("--tls-ca", default=None, help="CA bundle that signed the server's certificate")
@@ -80,19 +83,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def connect(url: str, password: str | None = None, tls: bool = False, tls_ca: str | None = None) -> redis.Redis:
-    if tls and url.startswith("redis://"):
-        url = "rediss://" + url[len("redis://"):]
+def connection_args(url: str, password: str | None = None, tls: bool = False, tls_ca: str | None = None,
+                    key_prefix: str | None = None) -> tuple[str, dict[str, Any]]:
+    """(URL, client keywords) for the flags; ValueError says what to fix. A ``redis+cluster://``
+    URL needs a hash-tag prefix (``{nj}``), as the services do."""
+    if tls and url.startswith(("redis://", "redis+cluster://")):
+        url = "rediss" + url[len("redis"):]
     kw: dict[str, Any] = {"socket_connect_timeout": 2.0, "socket_timeout": 5.0}
     if password is not None:
         kw["password"] = password
     if tls_ca:
-        if not url.startswith("rediss://"):
+        if not url.startswith(("rediss://", "rediss+cluster://")):
             raise ValueError("--tls-ca needs TLS: add --tls or use a rediss:// URL")
         kw["ssl_ca_certs"] = tls_ca
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"--redis-url must start with redis://, rediss:// or unix://, got {url!r}")
-    return redis.Redis.from_url(url, **kw)
+    check_redis_url(url, key_prefix)
+    return url, kw
+
+
+def connect(url: str, password: str | None = None, tls: bool = False, tls_ca: str | None = None,
+            key_prefix: str | None = None) -> redis.Redis:
+    """The services' client for ``url`` (``connect_redis_sync``): ``redis.RedisCluster`` for a
+    cluster URL, which reads the topology here, so an unreachable cluster fails here."""
+    url, kw = connection_args(url, password, tls, tls_ca, key_prefix)
+    return connect_redis_sync(url, **kw)
 
 
 def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int:
@@ -101,10 +114,12 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
     out = out or sys.stdout
     console = Console(file=out, width=None if out is sys.stdout else 200, soft_wrap=False)
     try:
-        r = connect(args.redis_url, args.redis_password, args.tls, args.tls_ca)
+        r = connect(args.redis_url, args.redis_password, args.tls, args.tls_ca, args.prefix)
     except ValueError as exc:
         print(f"nightjar queue: {exc}", file=sys.stderr)
         return 2
+    except RedisClusterException as exc:  # no seed node answered (the cause says why)
+        return _redis_failed(args, exc.__cause__ or exc)
     reader = QueueReader(r, Keys(args.prefix), limit=args.limit)
     try:
         if args.view == "watch":
@@ -115,14 +130,20 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
         doc = getattr(reader, method)(args.window) if args.view in ("stats", "workers") else getattr(reader, method)()
         _emit(console, doc, view, args.json)
         return 0
-    except redis.ConnectionError as exc:
-        print(f"nightjar queue: cannot reach Redis at {masked(args.redis_url)} ({exc}); check --redis-url / NIGHTJAR_REDIS_URL", file=sys.stderr)
-        return 1
-    except redis.AuthenticationError as exc:
-        print(f"nightjar queue: Redis refused the password ({exc}); check --redis-password", file=sys.stderr)
-        return 1
+    except (redis.ConnectionError, RedisClusterException) as exc:
+        return _redis_failed(args, exc)
     finally:
         r.close()
+
+
+def _redis_failed(args: argparse.Namespace, exc: BaseException) -> int:
+    if isinstance(exc, redis.AuthenticationError):
+        print(f"nightjar queue: Redis refused the credentials ({exc}); check --redis-password or the URL's "
+              "password", file=sys.stderr)
+    else:
+        print(f"nightjar queue: cannot reach Redis at {masked(args.redis_url)} ({exc}); check --redis-url / "
+              "NIGHTJAR_REDIS_URL", file=sys.stderr)
+    return 1
 
 
 def _emit(console: Console, doc: dict[str, Any], view, as_json: bool) -> None:

@@ -194,11 +194,13 @@ def test_plots_write_png_files(tmp_path):
 # --------------------------------------------------------------------------- probe (real redis)
 
 
-async def test_probe_reads_heartbeats_and_only_new_steps(redis_url, key_prefix):
-    import redis.asyncio as aioredis
+async def test_probe_reads_heartbeats_and_only_new_steps(any_redis):
+    """On one redis-server, and on a Redis Cluster through a redis+cluster:// URL."""
+    from nightjar.service_util import connect_redis
 
+    redis_url, key_prefix = any_redis
     keys = Keys(key_prefix)
-    r = aioredis.Redis.from_url(redis_url)
+    r = connect_redis(redis_url)
     hb = Heartbeat(worker_id="w1", unix_ms=1, model="m", kv_blocks_free=30, kv_blocks_total=100, running=5, waiting=2,
                    max_running=64, gamma=2, draft_residency="resident")
     await r.set(keys.heartbeat("w1"), hb.encode())

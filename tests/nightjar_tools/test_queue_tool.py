@@ -1,4 +1,5 @@
-"""`nightjar queue` against a known Redis state (real redis-server), JSON compared field by field."""
+"""`nightjar queue` against a known Redis state, JSON compared field by field: on a real
+redis-server, and again on a real Redis Cluster through a ``redis+cluster://`` URL (``any_redis``)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import json
 import time
 
 import pytest
-import redis
 
 from nightjar.keys import Keys
 from nightjar.messages import DeadLetter, Heartbeat, Job, OutputChunk, Policy, StepStats
+from nightjar.service_util import connect_redis_sync
 from nightjar_tools.queue_tool import main
 from planner_svc.policies.base import bucket_index
 
@@ -20,20 +21,22 @@ def now_ms() -> int:
 
 
 @pytest.fixture
-def r(redis_url):
-    client = redis.Redis.from_url(redis_url)
+def r(any_redis):
+    client = connect_redis_sync(any_redis[0])
     yield client
     client.close()
 
 
 @pytest.fixture
-def keys(key_prefix) -> Keys:
-    return Keys(key_prefix)
+def keys(any_redis) -> Keys:
+    return Keys(any_redis[1])
 
 
 @pytest.fixture
-def q(redis_url, key_prefix):
-    """Run `nightjar queue ARGS --json` and return (exit code, parsed JSON)."""
+def q(any_redis):
+    """Run `nightjar queue ARGS --json` and return (exit code, parsed JSON); every test taking it
+    runs on one redis-server and again on a Redis Cluster URL (``any_redis``)."""
+    redis_url, key_prefix = any_redis
 
     def run(*args: str, json_out: bool = True):
         out = io.StringIO()
@@ -303,6 +306,26 @@ def test_error_messages_never_show_the_password(capsys):
     assert main(["ls", "--redis-url", f"redis://:s3cret@127.0.0.1:{free_port()}/0"], out=io.StringIO()) == 1
     err = capsys.readouterr().err
     assert "cannot reach Redis" in err and "s3cret" not in err
+
+
+def test_cluster_url_flags_and_errors(capsys):
+    """A cluster URL: --tls makes it rediss+cluster://, an untagged prefix is refused as the
+    services refuse it (exit 2), and a cluster that no seed answers for is exit 1 without the
+    password (the cluster client connects when it is made, not at the first command)."""
+    from nightjar_tools.queue_tool.cli import connection_args
+    from nightjar_tools.redis_server import free_port
+
+    url, kw = connection_args("redis+cluster://:pw@a:7000,b:7001", tls=True, tls_ca="/ca.pem", key_prefix="{nj}")
+    assert url == "rediss+cluster://:pw@a:7000,b:7001" and kw["ssl_ca_certs"] == "/ca.pem"
+    with pytest.raises(ValueError, match="--tls"):
+        connection_args("redis+cluster://a:7000", tls_ca="/ca.pem")
+
+    assert main(["ls", "--redis-url", "redis+cluster://127.0.0.1:7000", "--prefix", "nj"], out=io.StringIO()) == 2
+    assert "hash tag such as '{nj}'" in capsys.readouterr().err
+    url = f"redis+cluster://:s3cret@127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    assert main(["ls", "--redis-url", url, "--prefix", "{nj}"], out=io.StringIO()) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach Redis at redis+cluster://:***@" in err and "s3cret" not in err
 
 
 def test_model_shows_what_the_planner_learned(r, keys, q):
