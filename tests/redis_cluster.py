@@ -148,19 +148,26 @@ class LocalCluster:
                 return int(primary[1])
         raise AssertionError(f"no node owns the slot of {key}")
 
+    def replicas_of(self, primary: int) -> list[int]:
+        """The live replicas of ``primary`` that are connected to it."""
+        roles = {port: self.role(port) for port in self.live()}
+        return [port for port, role in roles.items()
+                if role[0] == b"slave" and int(role[2]) == primary and role[3] == b"connected"]
+
     def replica_of(self, primary: int) -> int:
-        """A live replica of ``primary``, connected to it."""
-        for port in self.live():
-            role = self.role(port)
-            if role[0] == b"slave" and int(role[2]) == primary and role[3] == b"connected":
-                return port
-        raise AssertionError(f"no live replica of {primary}")
+        replicas = self.replicas_of(primary)
+        assert replicas, f"no live replica of {primary}"
+        return replicas[0]
 
     def fail_over(self, replica: int, key: str, *, takeover: bool = False, timeout_s: float = 30.0) -> None:
         """``CLUSTER FAILOVER [TAKEOVER]`` on ``replica``, then wait until it is a primary and
         every live node says it owns ``key``'s slot. Without TAKEOVER it is the graceful manual
         failover: the primary stops writes until the replica has all of them, then they swap."""
         self._ask(replica, "CLUSTER FAILOVER", *(["TAKEOVER"] if takeover else []))
+        self.wait_promoted(replica, key, timeout_s)
+
+    def wait_promoted(self, replica: int, key: str, timeout_s: float = 30.0) -> None:
+        """Until ``replica`` is a primary and every live node says it owns ``key``'s slot."""
         wait_for(lambda: self.role(replica)[0] == b"master", f"{replica} promoted", timeout_s)
         wait_for(lambda: all(self.owner(key, p) == replica for p in self.live()),
                  f"every node to see {replica} own the slot", timeout_s)

@@ -1,0 +1,166 @@
+"""Redis Cluster failover while streams run (issue 21).
+
+Three primaries with one replica each, every node with AOF (``appendfsync everysec``, as
+compose runs Redis). A whole stack runs on the cluster through a ``redis+cluster://`` URL;
+while greedy streams run, the primary that owns the stack's slot fails over to its replica:
+
+- ``CLUSTER FAILOVER`` on the replica, the graceful manual failover: the primary stops taking
+  writes, the replica catches up with every one of them, and they swap roles. Nothing is lost,
+  so every stream completes with the tokens of an uninterrupted run, and new requests are
+  served from the new primary.
+- SIGKILL of the primary, then ``CLUSTER FAILOVER TAKEOVER`` on its replica (no vote: what a
+  person does when the primary is known dead). Replication is asynchronous, so writes the
+  replica had not received when the primary died are gone; the dead primary's AOF cannot bring
+  them back (the cluster has moved on without it). So a stream may fail: then UNAVAILABLE
+  (the gateway's index check sees the gap) or DEADLINE_EXCEEDED (its job or final chunk was
+  lost), never a hole or a wrong token; every other stream completes exactly, and new requests
+  are served. On loopback the replica is rarely behind, so usually every stream completes.
+- SIGKILL of the primary and nothing else: Cluster's automatic failover (the others mark it
+  failed after ``cluster-node-timeout``, its replica is elected), the same outcomes; the stack
+  waits it out (a few seconds, all of the cluster refusing commands while a slot has no
+  primary) because that is shorter than the gateway's ``--redis-outage-s`` (10 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from nightjar.keys import Keys
+from nightjar_client import NO_RETRY, AsyncClient
+from nightjar_client import errors as sdk
+from nightjar_tools.stack import Stack, StackConfig
+from tests.conftest import pair
+from tests.redis_cluster import LocalCluster
+from tests.stack.conftest import assert_same_greedy, dead_services
+
+PROMPTS = ["The old lighthouse keeper", "In the beginning of the", "She opened the door and"]
+N_TOKENS = 160
+STARTED = 8  # tokens every stream has before the failover begins
+DEADLINE_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory):
+    with LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3, replicas=1, appendonly=True) as c:
+        yield c
+
+
+def _stack(cluster: LocalCluster) -> Stack:
+    target, draft = pair()
+    while True:  # a prefix whose slot's primary has a replica (an earlier test may have killed one)
+        prefix = f"{{f{uuid.uuid4().hex[:6]}}}"
+        if cluster.replicas_of(cluster.owner(Keys(prefix).policy)):
+            break
+    kw = {"log_dir": Path(os.environ["NIGHTJAR_TEST_LOG_DIR"]) / prefix} if os.environ.get("NIGHTJAR_TEST_LOG_DIR") else {}
+    return Stack(StackConfig(port=0, workers=1, key_prefix=prefix, redis_url=cluster.url, target_path=Path(target),
+                             draft_path=Path(draft), policy="fixed:2", worker_threads=1, **kw))
+
+
+async def _collect(c: AsyncClient, prompt: str, progress: dict[str, int], failing: asyncio.Event):
+    """(token ids, tokens that had arrived when the failover began or -1 if the stream ended
+    before, finish reason or the error that ended the stream)."""
+    tokens: list[int] = []
+    at_failover, end = -1, ""
+    try:
+        async for delta in c.stream(prompt, max_tokens=N_TOKENS, ignore_eos=True, deadline_s=DEADLINE_S):
+            if failing.is_set() and at_failover < 0:
+                at_failover = len(tokens)
+            tokens += delta.token_ids
+            progress[prompt] = len(tokens)
+            end = delta.finish_reason or end
+    except sdk.NightjarError as exc:
+        end = exc
+    return tokens, at_failover, end
+
+
+async def _streams_through(stack: Stack, fail_over: Callable[[], None]):
+    """Reference tokens of each prompt alone, then all of them streamed at once with
+    ``fail_over()`` run (to its end: the new primary in place) once each has ``STARTED``
+    tokens; then one new request after it.
+    Returns (reference, [(tokens, at_failover, end)], the new request's tokens)."""
+    async with AsyncClient(stack.address) as c:
+        reference = {p: list((await c.generate(p, max_tokens=N_TOKENS, ignore_eos=True, deadline_s=120)).token_ids)
+                     for p in PROMPTS}
+    progress = dict.fromkeys(PROMPTS, 0)
+    failing = asyncio.Event()
+    async with AsyncClient(stack.address, retry=NO_RETRY) as c:  # no SDK retry: the stream itself must survive
+        tasks = [asyncio.create_task(_collect(c, p, progress, failing)) for p in PROMPTS]
+        while min(progress.values()) < STARTED:
+            assert not any(t.done() for t in tasks), [t.result() for t in tasks if t.done()]
+            await asyncio.sleep(0.01)
+        failing.set()
+        await asyncio.to_thread(fail_over)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE_S + 30)
+    async with AsyncClient(stack.address) as c:
+        after = list((await c.generate(PROMPTS[0], max_tokens=N_TOKENS, ignore_eos=True, deadline_s=60)).token_ids)
+    return reference, results, after
+
+
+def _logs(stack: Stack) -> str:
+    return "\n".join(svc.log_path.read_text(errors="replace") for svc in stack.services)
+
+
+@pytest.mark.slow
+async def test_streams_survive_a_manual_failover_of_their_primary(replicated):
+    cluster = replicated
+    with _stack(cluster) as stack:
+        key = Keys(stack.cfg.key_prefix).policy
+        primary = cluster.owner(key)
+        replica = cluster.replica_of(primary)
+        reference, results, after = await _streams_through(stack, lambda: cluster.fail_over(replica, key))
+        assert cluster.owner(key) == replica
+        role = cluster.role(primary)  # the old primary now replicates the new one
+        assert role[0] == b"slave" and int(role[2]) == replica, role
+        assert not dead_services(stack)
+        logs = _logs(stack)
+    for prompt, (tokens, at_failover, end) in zip(PROMPTS, results):
+        assert end == "length" and len(tokens) == N_TOKENS, (prompt, len(tokens), end)
+        assert 0 < at_failover < N_TOKENS, f"the failover must fall mid-stream (tokens before its end: {at_failover})"
+        assert_same_greedy(prompt, tokens, reference[prompt], N_TOKENS)
+    assert len(after) == N_TOKENS  # a request after the failover is served like one before it
+    assert_same_greedy(PROMPTS[0], after, reference[PROMPTS[0]], N_TOKENS)
+    # The gateway's reader, pinned to the old primary, was cut off with every stream in flight
+    # (Redis 6.2 answers a blocked XREAD with UNBLOCKED when its node turns replica; 7 with MOVED)
+    # and re-pinned to the new one.
+    assert f"{len(PROMPTS)} streams continue" in logs, logs[-4000:]
+    assert "Traceback" not in logs, logs[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("takeover", [True, False], ids=["takeover", "automatic"])
+async def test_streams_across_a_killed_primary(replicated, takeover):
+    """SIGKILL of the slot's primary, then ``CLUSTER FAILOVER TAKEOVER`` on its replica, or
+    (automatic) nothing: the cluster elects the replica after ``cluster-node-timeout``."""
+    cluster = replicated
+    with _stack(cluster) as stack:
+        key = Keys(stack.cfg.key_prefix).policy
+        primary = cluster.owner(key)
+        replica = cluster.replica_of(primary)
+
+        def kill_and_fail_over() -> None:
+            cluster.kill(primary)
+            if takeover:
+                cluster.fail_over(replica, key, takeover=True)
+            else:
+                cluster.wait_promoted(replica, key, timeout_s=60)
+
+        reference, results, after = await _streams_through(stack, kill_and_fail_over)
+        assert cluster.owner(key) == replica and primary not in cluster.live()
+        assert not dead_services(stack)
+        logs = _logs(stack)
+    for prompt, (tokens, at_failover, end) in zip(PROMPTS, results):
+        if end == "length":
+            assert len(tokens) == N_TOKENS and 0 < at_failover < N_TOKENS, (prompt, len(tokens), at_failover)
+            assert_same_greedy(prompt, tokens, reference[prompt], N_TOKENS)
+        else:  # lost with the primary's last writes: failed loudly, and what did arrive is right
+            assert isinstance(end, (sdk.Unavailable, sdk.DeadlineExceeded)), (prompt, repr(end))
+            assert_same_greedy(prompt, tokens, reference[prompt][:len(tokens)], len(tokens))
+    assert len(after) == N_TOKENS  # a request after the failover is served like one before it
+    assert_same_greedy(PROMPTS[0], after, reference[PROMPTS[0]], N_TOKENS)
+    assert "Traceback" not in logs, logs[-4000:]
