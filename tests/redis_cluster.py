@@ -86,14 +86,14 @@ class LocalCluster:
                          "--dir", str(d), "--loglevel", "warning"],
                         stdout=subprocess.DEVNULL, stderr=log)
             for port in self.ports:
-                wait_for(lambda: self._ask(port, "PING"), f"node {port}")
+                wait_for(lambda: self.ask_node(port, "PING"), f"node {port}")
             cli = str(Path(server).with_name("redis-cli"))
             out = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
                                   "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                                  capture_output=True, text=True, timeout=60)
             assert out.returncode == 0, out.stdout + out.stderr
             for port in self.ports:
-                wait_for(lambda: self._ask(port, "CLUSTER INFO")["cluster_state"] == "ok", f"cluster state ok on {port}")
+                wait_for(lambda: self.ask_node(port, "CLUSTER INFO")["cluster_state"] == "ok", f"cluster state ok on {port}")
             for port in self.ports:  # every replica has its primary's data
                 wait_for(lambda: self.role(port)[0] == b"master" or self.role(port)[3] == b"connected",
                          f"the replica {port} in sync")
@@ -121,7 +121,7 @@ class LocalCluster:
 
     # ------------------------------------------------------------------ asking the nodes
 
-    def _ask(self, port: int, *command):
+    def ask_node(self, port: int, *command):
         node = redis.Redis(port=port, socket_connect_timeout=1, socket_timeout=5)
         try:
             return node.execute_command(*command)
@@ -130,11 +130,11 @@ class LocalCluster:
 
     def ask(self, *command):
         """``command`` on the first live node."""
-        return self._ask(self.live()[0], *command)
+        return self.ask_node(self.live()[0], *command)
 
     def role(self, port: int) -> list:
         """``ROLE``: [b"master", offset, replicas] or [b"slave", host, port, state, offset]."""
-        return self._ask(port, "ROLE")
+        return self.ask_node(port, "ROLE")
 
     def slot(self, key: str) -> int:
         return int(self.ask("CLUSTER KEYSLOT", key))
@@ -143,7 +143,7 @@ class LocalCluster:
         """The port of the primary that owns ``key``'s slot, as node ``port`` (default: the
         first live one) sees it."""
         slot = self.slot(key)
-        for start, end, primary, *_replicas in self._ask(port or self.live()[0], "CLUSTER SLOTS"):
+        for start, end, primary, *_replicas in self.ask_node(port or self.live()[0], "CLUSTER SLOTS"):
             if start <= slot <= end:
                 return int(primary[1])
         raise AssertionError(f"no node owns the slot of {key}")
@@ -163,7 +163,7 @@ class LocalCluster:
         """``CLUSTER FAILOVER [TAKEOVER]`` on ``replica``, then wait until it is a primary and
         every live node says it owns ``key``'s slot. Without TAKEOVER it is the graceful manual
         failover: the primary stops writes until the replica has all of them, then they swap."""
-        self._ask(replica, "CLUSTER FAILOVER", *(["TAKEOVER"] if takeover else []))
+        self.ask_node(replica, "CLUSTER FAILOVER", *(["TAKEOVER"] if takeover else []))
         self.wait_promoted(replica, key, timeout_s)
 
     def wait_promoted(self, replica: int, key: str, timeout_s: float = 30.0) -> None:
@@ -171,6 +171,19 @@ class LocalCluster:
         wait_for(lambda: self.role(replica)[0] == b"master", f"{replica} promoted", timeout_s)
         wait_for(lambda: all(self.owner(key, p) == replica for p in self.live()),
                  f"every node to see {replica} own the slot", timeout_s)
+
+    def move_slot(self, slot: int, src: int, dst: int) -> None:
+        """Reshard one slot the way ``redis-cli --cluster reshard`` does: IMPORTING/MIGRATING,
+        MIGRATE every key (DUMP/RESTORE: streams keep their consumer groups), then the new owner
+        on every primary (replicas learn it from theirs)."""
+        src_id, dst_id = self.ask_node(src, "CLUSTER MYID"), self.ask_node(dst, "CLUSTER MYID")
+        self.ask_node(dst, "CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+        self.ask_node(src, "CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+        while keys := self.ask_node(src, "CLUSTER GETKEYSINSLOT", slot, 1000):
+            self.ask_node(src, "MIGRATE", "127.0.0.1", dst, "", 0, 5000, "KEYS", *keys)
+        others = [p for p in self.live() if p not in (src, dst) and self.role(p)[0] == b"master"]
+        for port in [dst, src, *others]:
+            self.ask_node(port, "CLUSTER SETSLOT", slot, "NODE", dst_id)
 
     def kill(self, port: int) -> None:
         """SIGKILL a node: no AOF fsync, no goodbye to the cluster."""

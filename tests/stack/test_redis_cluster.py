@@ -45,7 +45,6 @@ from nightjar_tools.redis_server import free_port
 from nightjar_tools.stack import Stack, StackConfig
 from scheduler_svc.config import SchedulerConfig
 from tests.conftest import pair
-from tests.redis_cluster import LocalCluster
 from worker.service import redis_ops
 
 SCRIPTS = {"lease": dispatch_lease._ENQUEUE, "write outputs": redis_ops._WRITE_OUTPUTS,
@@ -279,25 +278,6 @@ async def test_a_whole_stack_runs_on_a_cluster(cluster):
         assert bad not in logs, f"{bad!r} in the services' logs:\n{logs[-4000:]}"
 
 
-def _move_slot(cluster: LocalCluster, slot: int, src_port: int, dst_port: int) -> None:
-    """Reshard one slot the way ``redis-cli --cluster reshard`` does: IMPORTING/MIGRATING, MIGRATE
-    every key (DUMP/RESTORE: streams keep their consumer groups), then the new owner everywhere."""
-    src, dst = redis.Redis(port=src_port), redis.Redis(port=dst_port)
-    try:
-        src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
-        dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
-        src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
-        while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 1000):
-            src.execute_command("MIGRATE", "127.0.0.1", dst_port, "", 0, 5000, "KEYS", *keys)
-        for port in [dst_port, src_port, *(p for p in cluster.ports if p not in (src_port, dst_port))]:
-            node = redis.Redis(port=port)
-            node.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
-            node.close()
-    finally:
-        src.close()
-        dst.close()
-
-
 @pytest.mark.slow
 async def test_a_stack_follows_its_slot_to_another_node(cluster):
     """The stack's slot is resharded to another primary between two requests: every service
@@ -319,7 +299,7 @@ async def test_a_stack_follows_its_slot_to_another_node(cluster):
 
             assert len(await one("The old lighthouse keeper")) == 16
             slot = int(redis.Redis(port=before).execute_command("CLUSTER KEYSLOT", keys.policy))
-            _move_slot(cluster, slot, before, after)
+            cluster.move_slot(slot, before, after)
             assert cluster.owner(keys.policy) == after
             assert len(await one("The old lighthouse keeper")) == 16
             await asyncio.sleep(1.0)  # heartbeats, stats and policy written since the move

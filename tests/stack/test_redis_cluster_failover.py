@@ -1,4 +1,4 @@
-"""Redis Cluster failover while streams run (issue 21).
+"""Redis Cluster failover, and a reshard, while streams run (issue 21).
 
 Three primaries with one replica each, every node with AOF (``appendfsync everysec``, as
 compose runs Redis). A whole stack runs on the cluster through a ``redis+cluster://`` URL;
@@ -19,6 +19,9 @@ while greedy streams run, the primary that owns the stack's slot fails over to i
   failed after ``cluster-node-timeout``, its replica is elected), the same outcomes; the stack
   waits it out (a few seconds, all of the cluster refusing commands while a slot has no
   primary) because that is shorter than the gateway's ``--redis-outage-s`` (10 s).
+
+And the stack's slot resharded to another primary mid-stream (``MIGRATING``/``IMPORTING``,
+``MIGRATE``, ``SETSLOT NODE``): keys move whole, nothing is lost, every stream completes.
 """
 
 from __future__ import annotations
@@ -163,4 +166,29 @@ async def test_streams_across_a_killed_primary(replicated, takeover):
             assert_same_greedy(prompt, tokens, reference[prompt][:len(tokens)], len(tokens))
     assert len(after) == N_TOKENS  # a request after the failover is served like one before it
     assert_same_greedy(PROMPTS[0], after, reference[PROMPTS[0]], N_TOKENS)
+    assert "Traceback" not in logs, logs[-4000:]
+
+
+@pytest.mark.slow
+async def test_streams_follow_their_slot_resharded_mid_stream(replicated):
+    """The slot moves to another primary while the streams run: commands meet ASK, TRYAGAIN
+    (a multi-key command whose keys are half moved) and then MOVED, and every service retries
+    through them; every stream completes exactly and nothing is left on the old primary."""
+    cluster = replicated
+    with _stack(cluster) as stack:
+        keys = Keys(stack.cfg.key_prefix)
+        before = cluster.owner(keys.policy)
+        after = next(p for p in cluster.live() if p != before and cluster.role(p)[0] == b"master")
+        reference, results, later = await _streams_through(
+            stack, lambda: cluster.move_slot(cluster.slot(keys.policy), before, after))
+        assert all(cluster.owner(keys.policy, p) == after for p in cluster.live())
+        assert not cluster.ask_node(before, "CLUSTER COUNTKEYSINSLOT", cluster.slot(keys.policy))
+        assert not dead_services(stack)
+        logs = _logs(stack)
+    for prompt, (tokens, at_move, end) in zip(PROMPTS, results):
+        assert end == "length" and len(tokens) == N_TOKENS, (prompt, len(tokens), end)
+        assert 0 < at_move < N_TOKENS, f"the reshard must begin mid-stream (tokens before it: {at_move})"
+        assert_same_greedy(prompt, tokens, reference[prompt], N_TOKENS)
+    assert len(later) == N_TOKENS
+    assert_same_greedy(PROMPTS[0], later, reference[PROMPTS[0]], N_TOKENS)
     assert "Traceback" not in logs, logs[-4000:]
