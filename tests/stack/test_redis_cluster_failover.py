@@ -1,27 +1,9 @@
-"""Redis Cluster failover, and a reshard, while streams run (issue 21).
+"""Redis Cluster failover, and a reshard, while streams run (issue 21; docs/reliability.md).
 
-Three primaries with one replica each, every node with AOF (``appendfsync everysec``, as
-compose runs Redis). A whole stack runs on the cluster through a ``redis+cluster://`` URL;
-while greedy streams run, the primary that owns the stack's slot fails over to its replica:
-
-- ``CLUSTER FAILOVER`` on the replica, the graceful manual failover: the primary stops taking
-  writes, the replica catches up with every one of them, and they swap roles. Nothing is lost,
-  so every stream completes with the tokens of an uninterrupted run, and new requests are
-  served from the new primary.
-- SIGKILL of the primary, then ``CLUSTER FAILOVER TAKEOVER`` on its replica (no vote: what a
-  person does when the primary is known dead). Replication is asynchronous, so writes the
-  replica had not received when the primary died are gone; the dead primary's AOF cannot bring
-  them back (the cluster has moved on without it). So a stream may fail: then UNAVAILABLE
-  (the gateway's index check sees the gap) or DEADLINE_EXCEEDED (its job or final chunk was
-  lost), never a hole or a wrong token; every other stream completes exactly, and new requests
-  are served. On loopback the replica is rarely behind, so usually every stream completes.
-- SIGKILL of the primary and nothing else: Cluster's automatic failover (the others mark it
-  failed after ``cluster-node-timeout``, its replica is elected), the same outcomes; the stack
-  waits it out (a few seconds, all of the cluster refusing commands while a slot has no
-  primary) because that is shorter than the gateway's ``--redis-outage-s`` (10 s).
-
-And the stack's slot resharded to another primary mid-stream (``MIGRATING``/``IMPORTING``,
-``MIGRATE``, ``SETSLOT NODE``): keys move whole, nothing is lost, every stream completes.
+Three primaries with one replica each, AOF ``everysec`` on every node, a whole stack on a
+``redis+cluster://`` URL; greedy streams are running when the primary that owns the stack's slot
+fails over (manual, SIGKILL + TAKEOVER, SIGKILL + automatic) or its slot moves. What a failover
+cannot lose is asserted exactly; what it may lose must fail loudly, never as a hole.
 """
 
 from __future__ import annotations
@@ -111,6 +93,9 @@ def _logs(stack: Stack) -> str:
 
 @pytest.mark.slow
 async def test_streams_survive_a_manual_failover_of_their_primary(replicated):
+    """``CLUSTER FAILOVER`` on the replica: the primary stops taking writes, the replica catches
+    up with every one, they swap. Nothing is lost: every stream completes with the tokens of an
+    uninterrupted run, and a new request is served by the new primary."""
     cluster = replicated
     with _stack(cluster) as stack:
         key = Keys(stack.cfg.key_prefix).policy
@@ -139,7 +124,12 @@ async def test_streams_survive_a_manual_failover_of_their_primary(replicated):
 @pytest.mark.parametrize("takeover", [True, False], ids=["takeover", "automatic"])
 async def test_streams_across_a_killed_primary(replicated, takeover):
     """SIGKILL of the slot's primary, then ``CLUSTER FAILOVER TAKEOVER`` on its replica, or
-    (automatic) nothing: the cluster elects the replica after ``cluster-node-timeout``."""
+    (automatic) nothing: the cluster elects the replica after ``cluster-node-timeout``, a few
+    seconds, under the gateway's ``--redis-outage-s`` (10 s). Replication is asynchronous, so
+    writes the replica had not received are gone (the dead primary's AOF cannot help: the
+    cluster moved on without it). A stream that lost some fails UNAVAILABLE (a gap) or
+    DEADLINE_EXCEEDED (its job or final chunk), never with a hole or a wrong token; every other
+    completes exactly (on loopback, usually all of them); new requests are served."""
     cluster = replicated
     with _stack(cluster) as stack:
         key = Keys(stack.cfg.key_prefix).policy
