@@ -17,6 +17,7 @@ import torch
 
 from nightjar.messages import Message, Residency, SamplingParams, StepStats
 from nightjar.text import FastTokenizer, IncrementalDetokenizer
+from worker.engine import rejection
 from worker.engine.acceptance import AcceptanceMonitor
 from worker.engine.budget import kv_pool_bytes
 from worker.engine.config import EngineConfig
@@ -24,7 +25,6 @@ from worker.engine.linear import can_pack
 from worker.engine.memory import MemoryManager
 from worker.engine.model import LlamaModel
 from worker.engine.proposer import Proposal, Proposer
-from worker.engine.rejection import accept
 from worker.engine.runner import ModelRunner, Run
 from worker.engine.sampler import RowParams, draw_uniforms, probs_from_logits, sample, validate
 from worker.engine.scheduler import ScheduledBatch, Scheduler
@@ -208,8 +208,8 @@ class Engine:
         if bd:
             dl = logits[: bd * (g + 1)].view(bd, g + 1, -1)  # [Bd, γ+1, V]
             drafts = prop.tokens if prop is not None else torch.zeros(bd, 0, dtype=torch.long, device=dev)
-            n, final = accept(dl, drafts, prop.q if prop is not None else None, rp, [s.params for s in batch.decode],
-                              u[:, g: 2 * g], u[:, 2 * g])  # worker/engine/rejection.py
+            n, final = rejection.accept(dl, drafts, prop.q if prop is not None else None, rp,
+                                        [s.params for s in batch.decode], u[:, g: 2 * g], u[:, 2 * g])
             n_l, f_l, d_l = n.tolist(), final.tolist(), drafts.tolist()
             for i, s in enumerate(batch.decode):
                 old = s.num_tokens
