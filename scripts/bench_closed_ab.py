@@ -3,17 +3,18 @@
 
     .venv/bin/python scripts/bench_closed_ab.py [--clients 1,4,16,48] [--seconds 30] [--rounds 3]
 
-One stack runs the nightjar planner for the whole run, as a server does; the other has none and
-the bench publishes each static γ to it. Each round runs every policy back to back in alternating
-order, so ratios are taken within a round (fresh stacks minutes apart differ by more than the
-policies do: BENCHMARKS.md, the live planner). Writes runs/bench/closed_ab-STAMP/results.json.
+``nightjar bench`` starts a fresh stack per policy, so one repeat's policies run minutes apart
+and, on a shared machine, the step time moves by more than they differ (BENCHMARKS.md, the live
+planner). Here both stacks stay up for the whole run and ratios are taken within a round (or a
+repeat of ``--rounds-per-repeat`` short rounds). How a round runs and what it writes: ``run``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import asyncio
+import dataclasses
+import inspect
 import json
 import os
 import statistics
@@ -50,6 +51,11 @@ def cpu_seconds(stack) -> dict[str, float]:
 
 
 async def run(a: argparse.Namespace, out: Path) -> list[dict]:
+    """One stack runs the nightjar planner and stays up for the whole run, as a server does; the
+    other has no planner and the bench publishes each static γ to it. Each round runs nightjar and
+    every static policy back to back, C clients for ``--seconds`` after ``--warmup-s`` of
+    warm-up, in alternating order. Prints one table per client count (``table``) and writes
+    runs/bench/closed_ab-STAMP/results.json."""
     clients = [int(x) for x in a.clients.split(",")]
     statics = a.policies.split(",")
     cfg = CompareConfig(policies=("nightjar",), workloads=(WorkloadPlan(f"closed:{clients[0]}", a.seconds),), out_dir=out,
@@ -117,7 +123,8 @@ def table(rows: list[dict], statics: list[str], per: int = 1) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, epilog=inspect.getdoc(run),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", default="1,4,16,48")
     p.add_argument("--policies", default="off,fixed:1,fixed:2,fixed:3,fixed:4", help="the static policies")
     p.add_argument("--seconds", type=float, default=30.0, help="counted seconds per run, after the warm-up")

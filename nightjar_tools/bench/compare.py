@@ -1,15 +1,9 @@
 """Compare: the same workloads against a freshly started stack per policy, side by side.
 
-Every policy gets a new ``Stack`` (embedded Redis, gateway, scheduler, planner ``--policy``,
-workers) with the same seed, workloads, models and memory budget, is warmed up with two short
-requests, and then runs the workloads in the same order; the stack drains between workloads.
-With ``repeats`` the whole sweep runs again, policies interleaved.
-
-Calibration first: unless γ is given, a stack without a planner runs γ = 0…4 one request at a
-time, the bench publishing each fixed policy itself (the γ that decodes fastest at batch 1 is
-what standard speculative decoding would run: ``fixed:G``), then a closed-loop probe at γ = 0
-measures the saturated capacity that the workloads' loads are multiples of. When γ is given,
-the capacity probe runs on the first policy's stack instead (one stack start fewer)."""
+Every policy gets a new ``Stack`` with the same seed, workloads, models and memory budget, so the
+policy is the only difference between runs. The loads are multiples of a capacity calibrated
+first, beside the γ that standard speculative decoding would run (``fixed:G``); the order of it
+all: ``run_comparison``."""
 
 from __future__ import annotations
 
@@ -360,6 +354,13 @@ class Comparison:
 
 
 def run_comparison(cfg: CompareConfig, log=print) -> Comparison:
+    """Calibration first: unless γ is given, a stack without a planner runs γ = 0…4 one request at
+    a time, the bench publishing each fixed policy itself (the γ that decodes fastest at batch 1 is
+    what standard speculative decoding would run: ``fixed:G``), then a closed-loop probe at γ = 0
+    measures the saturated capacity that the workloads' loads are multiples of (with γ given, only
+    the probe runs there). Then every policy's stack (embedded Redis, gateway, scheduler, planner
+    ``--policy``, workers) is warmed up with two short requests and runs the workloads in the same
+    order, draining between them. With ``repeats`` the whole sweep runs again, policies interleaved."""
     return asyncio.run(_run_comparison(cfg, log))
 
 
