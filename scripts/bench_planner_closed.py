@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                 switches.append(1000.0 * np.count_nonzero(np.diff(steady)) / len(steady))
                 shares.append((steady > 0).mean())
                 ratios.append(tps["nightjar"] / max(tps[p] for p in STATIC))
-                first = first if seed != seeds[0] else tps
+                if seed == seeds[0]:
+                    first = tps  # the table shows the first seed's figures
             spread = f" ({min(ratios):.3f}–{max(ratios):.3f})" if len(ratios) > 1 else ""
             print(f"| {name} | {c} | " + " | ".join(f"{first[p]:.0f}" for p in STATIC)
                   + f" | {first['nightjar']:.0f} | {np.mean(ratios):.3f}{spread} | {max(switches):.1f} | {np.mean(shares):.3f} |")

@@ -402,23 +402,16 @@ async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
             if cal["capacity_rps"] is None:
                 cal.update(await probe_capacity(stack, cfg, bank))
     cmp.calibration = cal
-    workloads: list[Workload] = []
-    prompts: list[list[str]] = []
-
-    def plan_workloads() -> None:
-        cap = cal["capacity_rps"]
-        log(f"capacity {cap:.3f} req/s; best γ at batch 1: {cal['fixed_gamma']}")
-        workloads[:] = [build(w.spec, cap, w.duration_s, seed=cfg.seed, scale=cfg.scale) for w in cfg.workloads]
-        prompts[:] = [bank.texts(wl, cfg.seed) for wl in workloads]
-
-    if cal["capacity_rps"] is not None:
-        plan_workloads()
+    cap = cal["capacity_rps"]
+    log(f"capacity {cap:.3f} req/s; best γ at batch 1: {cal['fixed_gamma']}")
+    workloads = [build(w.spec, cap, w.duration_s, seed=cfg.seed, scale=cfg.scale) for w in cfg.workloads]
+    prompts = [bank.texts(wl, cfg.seed) for wl in workloads]
     gamma = cal["fixed_gamma"]
     total, t_start = cfg.repeats * len(cfg.policies), time.monotonic()
     for rep in range(cfg.repeats):
         for i, spec in enumerate(policy_order(cfg.policies, rep)):
             policy = resolve_policy(spec, gamma)
-            await _one_policy(cmp, cfg, policy, rep, bank, workloads, prompts, plan_workloads, log)
+            await _one_policy(cmp, cfg, policy, rep, bank, workloads, prompts, log)
             done = rep * len(cfg.policies) + i + 1
             eta_s = (time.monotonic() - t_start) / done * (total - done) * (1 + cfg.oracle / len(cfg.policies))
             log(f"progress {done}/{total} stacks" + (f", ETA {eta_s / 60:.0f} min" if done < total or cfg.oracle else ""))
@@ -456,16 +449,11 @@ async def _oracle(cmp: Comparison, cfg: CompareConfig, rep: int, bank: PromptBan
 
 
 async def _one_policy(cmp: Comparison, cfg: CompareConfig, policy: str, rep: int, bank: PromptBank,
-                      workloads: list[Workload], prompts: list[list[str]], plan_workloads, log) -> None:
-    cal = cmp.calibration
+                      workloads: list[Workload], prompts: list[list[str]], log) -> None:
     t0 = time.monotonic()
     safe = policy.replace(":", "_").replace(",", "_").replace("=", "-") + (f"-r{rep}" if rep else "")
     async with _Running(cfg.stack_config(policy, cfg.out_dir / "logs" / safe)) as stack:
         cmp.stack_start_s[f"{policy}#{rep}"] = time.monotonic() - t0
-        if not workloads:  # γ was given: measure the capacity on the first policy's stack
-            cal.update(await probe_capacity(stack, cfg, bank))
-            cal["notes"].append(f"capacity measured under policy {policy}")
-            plan_workloads()
         await run_on_stack(stack, _fixed_workload(2, 16, 8), [bank.text(16, np.random.default_rng(1))] * 2, _quiet(cfg), "warmup")
         for plan, wl, texts in zip(cfg.workloads, workloads, prompts):
             if not await wait_idle(stack):
