@@ -169,7 +169,7 @@ class Heartbeat(Message):
     draft_residency: str  # "resident" | "offloading" | "offloaded" | "reloading" | "none"
     policy_version: int = -1
     started_unix_ms: int = 0
-    memory_bytes: dict[str, int] = msgspec.field(default_factory=dict)  # device budget by part (worker/engine/memory.py)
+    memory_bytes: dict[str, int] = msgspec.field(default_factory=dict)  # device budget by part (worker/engine/budget.py)
     # SIGTERM: finishing what it runs, taking nothing new; the scheduler and the gateways'
     # lease script send it no more work (it is still alive: its jobs are not re-dispatched).
     draining: bool = False
@@ -200,7 +200,7 @@ class StepStats(Message):
     preempted: int = 0
     draft_residency: str = "none"
     acceptance_alarm: bool = False  # acceptance collapsed while it had been healthy
-    memory_bytes: dict[str, int] = msgspec.field(default_factory=dict)  # device budget by part (worker/engine/memory.py)
+    memory_bytes: dict[str, int] = msgspec.field(default_factory=dict)  # device budget by part (worker/engine/budget.py)
 
 
 # --------------------------------------------------------------------------- policy

@@ -29,6 +29,9 @@ class PlannerConfig:
     consumer: str = field(default_factory=_default_consumer)
     read_count: int = 512  # stats entries per XREADGROUP
     read_block_ms: int = 200  # XREADGROUP BLOCK; also how often a stop request is noticed
+    # At most one read per interval while stats flow: decisions fall at bin ends (>= 8 steps), so a
+    # read per engine step would only spend round trips (CPU beside the engine on a small host).
+    read_interval_ms: int = 50
     save_interval_s: float = 5.0  # state snapshot to Redis at least this often while learning
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"  # /metrics interface: loopback unless told (compose: the container's network)
@@ -48,8 +51,8 @@ class PlannerConfig:
             raise ValueError(f"ttl_s must be > 0.3 seconds (the policy is republished every ttl/3), got {self.ttl_s}")
         validate_buckets(self.buckets)
         make_policy(self.policy, gamma_max=self.gamma_max, seed=self.seed, buckets=self.buckets)  # raises if bad
-        if self.read_count < 1 or self.read_block_ms < 1 or not self.save_interval_s > 0:
-            raise ValueError("read_count and read_block_ms must be >= 1, save_interval_s > 0")
+        if self.read_count < 1 or self.read_block_ms < 1 or self.read_interval_ms < 0 or not self.save_interval_s > 0:
+            raise ValueError("read_count and read_block_ms must be >= 1, read_interval_ms >= 0, save_interval_s > 0")
         if not self.consumer:
             raise ValueError("consumer name must be non-empty")
         if self.prior_surface is not None:

@@ -173,8 +173,10 @@ class PlannerService:
         await self.publish(force=True)
         log.info("planner up: policy %s, version %d, buckets %s", self.policy.name, self.version, self.cfg.buckets)
         while not stop.is_set():
+            began = time.monotonic()
             try:
-                await self.step_once()
+                if await self.step_once():
+                    await asyncio.sleep(max(0.0, self.cfg.read_interval_ms / 1000.0 - (time.monotonic() - began)))
             except (RedisError, OSError) as exc:
                 log.warning("redis error (%s); retrying", exc)
                 if "NOGROUP" in str(exc):  # Redis came back empty: recreate the stats group

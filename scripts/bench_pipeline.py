@@ -251,7 +251,7 @@ async def run(a: argparse.Namespace) -> None:
     p50 = statistics.median
     ratio = p50(stk_tps) / p50(eng_tps)
     # Each round's two sides run back to back, so their ratio cancels the machine's drift
-    # (measured to move either side by 20-30% across a minute on a shared VM).
+    # (how far it moves: BENCHMARKS.md, "Pipeline overhead").
     round_ratios = sorted(s / e for s, e in zip(stk_tps, eng_tps))
     print(f"\nPipeline overhead ({a.rounds} rounds, {a.ttft_samples} TTFT samples each, {a.streams} streams x {a.max_tokens} tokens, "
           f"policy {policy}, {a.device}, {a.threads} thread(s), io_nice {a.io_nice}, "

@@ -2,17 +2,15 @@
 
     .venv/bin/python scripts/bench_planner_closed.py [--clients 1,4,16,48,64] [--seeds 1,2,3,4,5,6]
 
-A closed loop of C clients is a saturated queue with the batch capped at C (32-token prompts,
-64-token outputs), on the measured ``cpu_tiny`` (speculation pays at every batch) and
-``cpu_serve`` (crossover at 32) surfaces and the roofline (γ = 0 wins from batch 16). Prints,
-per surface and C: each policy's tokens/s (first seed), nightjar ÷ the best static policy (mean
-and range over seeds), and nightjar's most γ switches per 1,000 steps and its share of steps at
-γ > 0 over the second half of the run (after warm-up). ±10% step-time noise.
+A closed loop of C clients holds the batch at C, the steady regime a live planner must serve:
+does nightjar match the best static γ there, on each cost surface, without switching often?
+What it runs and prints: ``main``; its runs: BENCHMARKS.md, "The live planner".
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 from pathlib import Path
 
@@ -30,7 +28,14 @@ STATIC = ("off", "fixed:1", "fixed:2", "fixed:3", "fixed:4")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """A closed loop of C clients is a saturated queue with the batch capped at C (32-token prompts,
+    64-token outputs), on the measured ``cpu_tiny`` and ``cpu_serve`` surfaces and the roofline
+    (where speculation stops paying on each: BENCHMARKS.md, "Serving-shaped pair and its cost
+    surface"). Prints, per surface and C: each policy's tokens/s (first seed), nightjar ÷ the best
+    static policy (mean and range over seeds), and nightjar's most γ switches per 1,000 steps and
+    its share of steps at γ > 0 over the second half of the run (after warm-up). ±10% step-time noise."""
+    ap = argparse.ArgumentParser(description=__doc__, epilog=inspect.getdoc(main),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", default="1,4,16,48")
     ap.add_argument("--per-client", type=int, default=200, help="requests per client")
     ap.add_argument("--seeds", default="1", help="comma-separated simulation and policy seeds")
@@ -63,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                 switches.append(1000.0 * np.count_nonzero(np.diff(steady)) / len(steady))
                 shares.append((steady > 0).mean())
                 ratios.append(tps["nightjar"] / max(tps[p] for p in STATIC))
-                first = first if seed != seeds[0] else tps
+                if seed == seeds[0]:
+                    first = tps  # the table shows the first seed's figures
             spread = f" ({min(ratios):.3f}–{max(ratios):.3f})" if len(ratios) > 1 else ""
             print(f"| {name} | {c} | " + " | ".join(f"{first[p]:.0f}" for p in STATIC)
                   + f" | {first['nightjar']:.0f} | {np.mean(ratios):.3f}{spread} | {max(switches):.1f} | {np.mean(shares):.3f} |")

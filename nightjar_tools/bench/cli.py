@@ -13,7 +13,6 @@ import asyncio
 import shutil
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from nightjar import paths
@@ -112,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path) -> int:
-    from nightjar_tools.bench import plots, report
+    from nightjar_tools.bench import report
     from nightjar_tools.bench.compare import CompareConfig, run_comparison
 
     default_policies, default_workloads = ((QUICK_POLICIES, QUICK_WORKLOADS) if a.quick else

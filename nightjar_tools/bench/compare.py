@@ -1,15 +1,9 @@
 """Compare: the same workloads against a freshly started stack per policy, side by side.
 
-Every policy gets a new ``Stack`` (embedded Redis, gateway, scheduler, planner ``--policy``,
-workers) with the same seed, workloads, models and memory budget, is warmed up with two short
-requests, and then runs the workloads in the same order; the stack drains between workloads.
-With ``repeats`` the whole sweep runs again, policies interleaved.
-
-Calibration first: unless γ is given, a stack without a planner runs γ = 0…4 one request at a
-time, the bench publishing each fixed policy itself (the γ that decodes fastest at batch 1 is
-what standard speculative decoding would run: ``fixed:G``), then a closed-loop probe at γ = 0
-measures the saturated capacity that the workloads' loads are multiples of. When γ is given,
-the capacity probe runs on the first policy's stack instead (one stack start fewer)."""
+Every policy gets a new ``Stack`` with the same seed, workloads, models and memory budget, so the
+policy is the only difference between runs. The loads are multiples of a capacity calibrated
+first, beside the γ that standard speculative decoding would run (``fixed:G``); the order of it
+all: ``run_comparison``."""
 
 from __future__ import annotations
 
@@ -358,6 +352,13 @@ class Comparison:
 
 
 def run_comparison(cfg: CompareConfig, log=print) -> Comparison:
+    """Calibration first: unless γ is given, a stack without a planner runs γ = 0…4 one request at
+    a time, the bench publishing each fixed policy itself (the γ that decodes fastest at batch 1 is
+    what standard speculative decoding would run: ``fixed:G``), then a closed-loop probe at γ = 0
+    measures the saturated capacity that the workloads' loads are multiples of (with γ given, only
+    the probe runs there). Then every policy's stack (embedded Redis, gateway, scheduler, planner
+    ``--policy``, workers) is warmed up with two short requests and runs the workloads in the same
+    order, draining between them. With ``repeats`` the whole sweep runs again, policies interleaved."""
     return asyncio.run(_run_comparison(cfg, log))
 
 
@@ -399,23 +400,16 @@ async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
             if cal["capacity_rps"] is None:
                 cal.update(await probe_capacity(stack, cfg, bank))
     cmp.calibration = cal
-    workloads: list[Workload] = []
-    prompts: list[list[str]] = []
-
-    def plan_workloads() -> None:
-        cap = cal["capacity_rps"]
-        log(f"capacity {cap:.3f} req/s; best γ at batch 1: {cal['fixed_gamma']}")
-        workloads[:] = [build(w.spec, cap, w.duration_s, seed=cfg.seed, scale=cfg.scale) for w in cfg.workloads]
-        prompts[:] = [bank.texts(wl, cfg.seed) for wl in workloads]
-
-    if cal["capacity_rps"] is not None:
-        plan_workloads()
+    cap = cal["capacity_rps"]
+    log(f"capacity {cap:.3f} req/s; best γ at batch 1: {cal['fixed_gamma']}")
+    workloads = [build(w.spec, cap, w.duration_s, seed=cfg.seed, scale=cfg.scale) for w in cfg.workloads]
+    prompts = [bank.texts(wl, cfg.seed) for wl in workloads]
     gamma = cal["fixed_gamma"]
     total, t_start = cfg.repeats * len(cfg.policies), time.monotonic()
     for rep in range(cfg.repeats):
         for i, spec in enumerate(policy_order(cfg.policies, rep)):
             policy = resolve_policy(spec, gamma)
-            await _one_policy(cmp, cfg, policy, rep, bank, workloads, prompts, plan_workloads, log)
+            await _one_policy(cmp, cfg, policy, rep, bank, workloads, prompts, log)
             done = rep * len(cfg.policies) + i + 1
             eta_s = (time.monotonic() - t_start) / done * (total - done) * (1 + cfg.oracle / len(cfg.policies))
             log(f"progress {done}/{total} stacks" + (f", ETA {eta_s / 60:.0f} min" if done < total or cfg.oracle else ""))
@@ -453,16 +447,11 @@ async def _oracle(cmp: Comparison, cfg: CompareConfig, rep: int, bank: PromptBan
 
 
 async def _one_policy(cmp: Comparison, cfg: CompareConfig, policy: str, rep: int, bank: PromptBank,
-                      workloads: list[Workload], prompts: list[list[str]], plan_workloads, log) -> None:
-    cal = cmp.calibration
+                      workloads: list[Workload], prompts: list[list[str]], log) -> None:
     t0 = time.monotonic()
     safe = policy.replace(":", "_").replace(",", "_").replace("=", "-") + (f"-r{rep}" if rep else "")
     async with _Running(cfg.stack_config(policy, cfg.out_dir / "logs" / safe)) as stack:
         cmp.stack_start_s[f"{policy}#{rep}"] = time.monotonic() - t0
-        if not workloads:  # γ was given: measure the capacity on the first policy's stack
-            cal.update(await probe_capacity(stack, cfg, bank))
-            cal["notes"].append(f"capacity measured under policy {policy}")
-            plan_workloads()
         await run_on_stack(stack, _fixed_workload(2, 16, 8), [bank.text(16, np.random.default_rng(1))] * 2, _quiet(cfg), "warmup")
         for plan, wl, texts in zip(cfg.workloads, workloads, prompts):
             if not await wait_idle(stack):

@@ -1,16 +1,9 @@
 """The load generator: an async gRPC driver over the raw ``nightjar.v1`` stubs.
 
-Each request is sent at its planned arrival time whether or not earlier ones finished (open
-loop: a saturated server shows up as queueing, not as a slower client); a closed-loop workload
-(``Workload.clients``) instead keeps that many requests in flight, each client sending its next
-as soon as its last one finished, until ``Workload.duration_s``. A run is bounded in
-count (the workload) and in time (``max_duration_s`` for arrivals, then ``drain_timeout_s``
-for the stragglers, which are cancelled). Every ``sample_interval_s`` a sampler records the
-client's view (offered load, in flight, tokens/s, latency of what just finished) merged with
-whatever the optional ``probe`` returns (the stack's heartbeats and step statistics).
-
-The generator's own overhead is measured, not assumed: ``send_lag`` is how late each request
-left relative to its plan, which grows if the client (not the server) is the bottleneck.
+Open loop unless the workload is closed: each request leaves at its planned arrival time whether
+or not earlier ones finished, so a saturated server shows up as queueing, not as a slower client.
+The generator's own overhead is measured, not assumed (the report's ``send_lag_s``). How a run
+is bounded and sampled: ``run_load``.
 """
 
 from __future__ import annotations
@@ -113,7 +106,17 @@ class _Counters:
 
 async def run_load(workload: Workload, prompts: list[str], cfg: LoadConfig, probe: Probe | None = None,
                    channel: grpc.aio.Channel | None = None) -> LoadResult:
-    """Replay ``workload`` (with ``prompts[i]`` as request i's text) against ``cfg.target``."""
+    """Replay ``workload`` (with ``prompts[i]`` as request i's text) against ``cfg.target``.
+
+    Each request is sent at its planned arrival time; a closed-loop workload (``Workload.clients``)
+    instead keeps that many requests in flight, each client sending its next as soon as its last
+    one finished, until ``Workload.duration_s``. A run is bounded in count (the workload) and in
+    time (``max_duration_s`` for arrivals, then ``drain_timeout_s`` for the stragglers, which are
+    cancelled). Every ``sample_interval_s`` a sampler records the client's view (offered load, in
+    flight, tokens/s, latency of what just finished) merged with whatever the optional ``probe``
+    returns (the stack's heartbeats and step statistics). The report's ``send_lag_s`` is how late
+    each request left relative to its plan; it grows if the client (not the server) is the bottleneck.
+    """
     if len(prompts) != len(workload):
         raise ValueError(f"need one prompt per request: {len(prompts)} prompts for {len(workload)} requests")
     own_channel = channel is None

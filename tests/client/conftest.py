@@ -1,14 +1,7 @@
 """A tiny scripted InferenceService on 127.0.0.1 (a real grpc.aio peer) for the SDK and CLI tests.
 
 It runs in its own thread and event loop, so sync clients can call it from a test without
-blocking the server. The prompt picks the behaviour:
-
-- ``"echo: a b c"``      streams "a", " b", " c" (token ids 1, 2, 3), finish "length" if max_tokens cut it, else "stop"
-- ``"unavailable:N ..."`` fails the first N attempts of this request_id with UNAVAILABLE, then echoes
-- ``"exhausted:N:MS ..."`` fails N attempts with RESOURCE_EXHAUSTED and trailing retry-after-ms=MS
-- ``"invalid"``           INVALID_ARGUMENT naming the field (also any temperature outside [0, 2])
-- ``"break-after:K ..."``  streams K tokens then fails UNAVAILABLE (every attempt)
-- ``"slow:S ..."``        waits S seconds before echoing (deadline tests)
+blocking the server. The prompt picks the behaviour (echo, failures, slowness): ``FakeInference``.
 """
 
 from __future__ import annotations
@@ -26,6 +19,16 @@ from nightjar.v1 import inference_pb2_grpc as pb_grpc
 
 
 class FakeInference(pb_grpc.InferenceServiceServicer):
+    """The prompt picks the behaviour:
+
+    - ``"echo: a b c"``      streams "a", " b", " c" (token ids 1, 2, 3), finish "length" if max_tokens cut it, else "stop"
+    - ``"unavailable:N ..."`` fails the first N attempts of this request_id with UNAVAILABLE, then echoes
+    - ``"exhausted:N:MS ..."`` fails N attempts with RESOURCE_EXHAUSTED and trailing retry-after-ms=MS
+    - ``"invalid"``           INVALID_ARGUMENT naming the field (also any temperature outside [0, 2])
+    - ``"break-after:K ..."``  streams K tokens then fails UNAVAILABLE (every attempt)
+    - ``"slow:S ..."``        waits S seconds before echoing (deadline tests)
+    """
+
     def __init__(self, token: str | None = None) -> None:
         self.token = token
         self.attempts: collections.Counter[str] = collections.Counter()

@@ -197,3 +197,38 @@ async def test_a_fresh_state_gets_a_new_epoch_and_a_resumed_one_keeps_it(r, redi
     view = PolicyView("w1", 0)
     view.update(first.published_policy)
     assert view.update(fresh.published_policy)  # not ignored for being version 1
+
+
+async def test_run_loop_reads_stats_in_batches_while_they_flow(r, redis_url, key_prefix):
+    # An engine step every ~5 ms must not cost the planner a round trip each: it reads at most
+    # once per read_interval_ms, and every entry is still learned from.
+    keys = Keys(key_prefix)
+    service = PlannerService(config(redis_url, key_prefix, "nightjar", read_interval_ms=100), r)
+    reads = 0
+    step_once = service.step_once
+
+    async def counted(block_ms=None):
+        nonlocal reads
+        reads += 1
+        return await step_once(block_ms)
+
+    service.step_once = counted
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    t0 = time.monotonic()
+    for _ in range(100):
+        await r.xadd(keys.stats, {b"s": step(4, 2, accepted=(4, 3)).encode()})
+        await asyncio.sleep(0.005)
+    elapsed = time.monotonic() - t0
+    deadline = time.monotonic() + 5
+    while service.processed < 100 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert service.processed == 100
+    assert reads <= elapsed / 0.1 + 6, (reads, elapsed)  # one per interval, plus the block and drain reads
+
+
+def test_read_interval_is_validated():
+    with pytest.raises(ValueError, match="read_interval_ms"):
+        PlannerConfig(read_interval_ms=-1)

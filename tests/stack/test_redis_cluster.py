@@ -1,17 +1,10 @@
 """Redis Cluster (issue 21): every key a script or transaction touches is declared and in one slot.
 
-Cluster routes a command by its keys and refuses one whose keys live in different slots. The
-lease script (nightjar.dispatch_lease) named per-worker keys it built inside the script; the
-worker's output script and the gateway's one XREAD cover many requests' streams at once; the
-scheduler's MULTI blocks touch a request's assignment and a worker's inbox together. So a
-stack's keys must share one slot: a key prefix that is a hash tag (``{nj}``) puts them there,
-and the scripts declare every key in KEYS.
-
-A real cluster: three local ``redis-server --cluster-enabled yes`` nodes joined by
-``redis-cli --cluster create``. The lease script runs on it through redis-py's cluster client;
-a stack on one Redis with a tagged prefix has every key it made, mid-request, in one slot (the
-cluster's own ``CLUSTER KEYSLOT``); and a whole stack runs on the cluster itself through a
-``redis+cluster://`` URL and follows its slot to another node (docs/reliability.md, "Redis Cluster").
+Cluster routes a command by its keys and refuses one whose keys live in different slots, while our
+Lua scripts, the gateway's one XREAD and the scheduler's MULTI blocks each touch many keys. So a
+stack's keys share one slot (a hash-tag prefix such as ``{nj}``) and every script declares its keys
+in KEYS. The slow tests run on a real cluster (``cluster``, tests/redis_cluster.py), up to a whole
+stack on a ``redis+cluster://`` URL following its slot to another node (docs/reliability.md).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ class EngineConfig:
     acceptance_alarm_floor: float = 0.05  # alarm when a window's mean acceptance falls below this ...
     acceptance_alarm_healthy: float = 0.3  # ... after an earlier window was at least this
     num_threads: int | None = None  # torch CPU threads; None = leave torch's default
-    # elastic memory (worker/engine/memory.py): the whole device budget = weights + KV pools + workspace;
+    # elastic memory (worker/engine/budget.py): the whole device budget = weights + KV pools + workspace;
     # when set, it sizes the KV pools (kv_budget_bytes is then ignored); None = weights + kv_budget_bytes + workspace
     memory_budget_bytes: int | None = None
     workspace_bytes: int | None = None  # activation reserve kept out of the KV pools; None = estimated

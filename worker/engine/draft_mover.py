@@ -41,7 +41,7 @@ def _slots(model: LlamaModel) -> list[tuple[dict, str]]:
     return out
 
 
-COPY_CHUNK_BYTES = 64 << 20  # ~1.2 ms at the 55 GB/s an H200 reaches on pinned memory
+COPY_CHUNK_BYTES = 64 << 20  # the most a decode step waits behind (BENCHMARKS.md, "On a GPU (NVIDIA H200)")
 
 
 def _pieces(dst: list[torch.Tensor], src: list[torch.Tensor], chunk_bytes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -65,8 +65,9 @@ class DraftMover:
     The copy is paced: at most ``chunk_bytes`` are queued at a time, the next chunk when the engine
     polls and finds the last one done. Copies in one direction share the GPU's copy engine, so a
     decode step's own small copies (inputs up, sampled ids down) queue behind whatever transfer is
-    in flight: on an H200 one 2 GB copy held a decode step for the whole 37 ms of it (an 8 ms
-    step). With 64 MiB chunks a step waits at most ~1.2 ms, and the move takes more steps.
+    in flight: unpaced, one copy of the whole draft held a decode step for all of its length
+    (BENCHMARKS.md, "On a GPU (NVIDIA H200)"). Paced, a step waits behind one chunk at most, and
+    the move takes more steps.
 
     On CPU the same code runs synchronously (each chunk is copied when it is queued): the
     host buffers are ordinary tensors, the "device" copy really is freed on offload and really
@@ -88,7 +89,8 @@ class DraftMover:
         self.nbytes = sum(c[k].numel() * c[k].element_size() for c, k in self.slots)
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._host: list[torch.Tensor] | None = None  # pinned on CUDA; kept for the next cycle
-        if self.cuda:  # pinning takes ~0.3 s/GB: pay it at start-up, not in the first offload's step
+        # pinning is slow (BENCHMARKS.md, "Figures that were code comments"): pay it at start-up, not in a step
+        if self.cuda:
             self._host = self._alloc_host()
         self._inflight: list[torch.Tensor] | None = None  # device tensors being read or written
         self._direction: str | None = None

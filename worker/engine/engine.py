@@ -1,7 +1,7 @@
 """Engine: continuous batching with optional draft speculation, one step at a time.
 
-    step():  schedule() -> propose() (draft, only if γ > 0) -> verify() (target, γ+1 positions)
-             -> accept() -> emit()
+    step():  schedule() -> propose() (draft, only if γ > 0: proposer.py) -> verify() (target, γ+1
+             positions) -> accept() (the acceptance rule: rejection.py) -> emit()
 
 Single-threaded and not thread-safe: the worker service drives it from one thread.
 """
@@ -17,16 +17,18 @@ import torch
 
 from nightjar.messages import Message, Residency, SamplingParams, StepStats
 from nightjar.text import FastTokenizer, IncrementalDetokenizer
+from worker.engine import rejection
 from worker.engine.acceptance import AcceptanceMonitor
+from worker.engine.budget import kv_pool_bytes
 from worker.engine.config import EngineConfig
 from worker.engine.linear import can_pack
-from worker.engine.memory import MemoryManager, kv_pool_bytes
+from worker.engine.memory import MemoryManager
 from worker.engine.model import LlamaModel
+from worker.engine.proposer import Proposal, Proposer
 from worker.engine.runner import ModelRunner, Run
 from worker.engine.sampler import RowParams, draw_uniforms, probs_from_logits, sample, validate
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import Sequence
-from worker.engine.speculative import Proposal, Speculator, accept_greedy, accept_tokens
 
 log = logging.getLogger("nightjar.engine")
 
@@ -63,15 +65,15 @@ class Engine:
         bpb = ModelRunner.bytes_per_block(target, cfg.block_size)
         if draft is not None:  # both pools get the same block count: the draft never runs out first
             bpb += ModelRunner.bytes_per_block(draft, cfg.block_size)
-        num_blocks = kv_pool_bytes(cfg, target, draft) // bpb  # worker/engine/memory.py: kv_budget_bytes or what memory_budget_bytes leaves
+        num_blocks = kv_pool_bytes(cfg, target, draft) // bpb  # worker/engine/budget.py: kv_budget_bytes or what memory_budget_bytes leaves
         if num_blocks < 4:
             raise ValueError(f"EngineConfig.kv_budget_bytes={cfg.kv_budget_bytes} holds {num_blocks} blocks of "
                              f"{bpb} bytes; give at least {4 * bpb}")
         self.runner = ModelRunner(target, num_blocks, cfg.block_size, cfg.watermark)
-        self.speculator = None
+        self.proposer = None
         if draft is not None:
-            self.speculator = Speculator(ModelRunner(draft, num_blocks, cfg.block_size, 0.0), target.cfg.vocab_size)
-        self.scheduler = Scheduler(self.runner.blocks, self.speculator.runner.blocks if self.speculator else None,
+            self.proposer = Proposer(ModelRunner(draft, num_blocks, cfg.block_size, 0.0), target.cfg.vocab_size)
+        self.scheduler = Scheduler(self.runner.blocks, self.proposer.runner.blocks if self.proposer else None,
                                    cfg.max_running, cfg.max_batched_tokens)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.target_path)
         self._fast_tokenizer = FastTokenizer(self.tokenizer)  # stop-string detokenizers decode every step
@@ -93,7 +95,7 @@ class Engine:
                                          cfg.acceptance_alarm_healthy)
         self.last_stats: StepStats | None = None
         # device budget, draft offload/reload (worker/engine/memory.py); it owns the draft's residency
-        self.memory = MemoryManager(cfg, self.runner, self.speculator.runner if self.speculator else None,
+        self.memory = MemoryManager(cfg, self.runner, self.proposer.runner if self.proposer else None,
                                     self.scheduler, lambda: self.last_stats.waiting if self.last_stats else 0)
 
     # ------------------------------------------------------------------ public API
@@ -171,7 +173,7 @@ class Engine:
         rp = RowParams.of([s.params for s in batch.decode]).to(dev)
         gens = [None if s.greedy else s.generator for s in batch.decode]
         u = draw_uniforms(gens, 2 * batch.gamma + 1).to(dev)  # [Bd, 2γ+1]: draft, accept, final
-        prop = self.speculator.propose(batch.decode, batch.gamma, rp, u) if batch.gamma else None
+        prop = self.proposer.propose(batch.decode, batch.gamma, rp, u) if batch.gamma else None
         t1 = time.perf_counter()
         logits = self._verify(batch, prop)
         new_tokens, accepted = self._accept(batch, prop, logits, rp, u)
@@ -181,7 +183,7 @@ class Engine:
         return outputs + emitted
 
     def _gamma(self) -> int:
-        if self.speculator is None or self.draft_residency != Residency.RESIDENT:
+        if self.proposer is None or self.draft_residency != Residency.RESIDENT:
             return 0
         n = self.scheduler.num_decoding()
         return max(0, min(int(self._policy(n)) if n else 0, self.cfg.gamma_max))
@@ -206,13 +208,8 @@ class Engine:
         if bd:
             dl = logits[: bd * (g + 1)].view(bd, g + 1, -1)  # [Bd, γ+1, V]
             drafts = prop.tokens if prop is not None else torch.zeros(bd, 0, dtype=torch.long, device=dev)
-            if rp.all_greedy:
-                n, final = accept_greedy(dl.argmax(-1), drafts)
-            else:
-                rows = RowParams.of([s.params for s in batch.decode], g + 1).to(dev)  # one row per position
-                p = probs_from_logits(dl.reshape(bd * (g + 1), -1), rows)  # [Bd * (γ+1), V]
-                n, final = accept_tokens(p.view(bd, g + 1, -1), prop.q if prop is not None else None, drafts,
-                                         u[:, g: 2 * g], u[:, 2 * g])
+            n, final = rejection.accept(dl, drafts, prop.q if prop is not None else None, rp,
+                                        [s.params for s in batch.decode], u[:, g: 2 * g], u[:, 2 * g])
             n_l, f_l, d_l = n.tolist(), final.tolist(), drafts.tolist()
             for i, s in enumerate(batch.decode):
                 old = s.num_tokens
@@ -261,8 +258,8 @@ class Engine:
                 self.scheduler.finish(s)
             else:  # give back lookahead blocks the rejected proposals held
                 self.runner.blocks.trim(s.block_table, s.num_tokens)
-                if self.speculator is not None:
-                    self.speculator.runner.blocks.trim(s.draft_table, s.num_tokens)
+                if self.proposer is not None:
+                    self.proposer.runner.blocks.trim(s.draft_table, s.num_tokens)
             if new or s.finish_reason is not None:
                 outputs.append(RequestOutput(s.request_id, start, new, s.finish_reason is not None, s.finish_reason,
                                              s.num_prompt, s.num_completion))

@@ -4,7 +4,7 @@ Every row carries its own settings, so one batched call serves requests with dif
 parameters. Randomness comes in as uniforms drawn from each request's own torch.Generator
 (``draw_uniforms``), so a seeded request samples the same tokens whatever else is batched
 with it. Greedy rows become one-hot distributions, which makes the speculative acceptance
-rule (speculative.py) reduce exactly to "accept while the draft matches the target's argmax".
+rule (rejection.py) reduce exactly to "accept while the draft matches the target's argmax".
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ class Snapshot(Message, tag=True):
     gamma: int = 0
     draft_residency: str = "none"
     max_context_tokens: int = 0
-    memory_bytes: tuple[tuple[str, int], ...] = ()  # (part, device bytes) from worker/engine/memory.py
+    memory_bytes: tuple[tuple[str, int], ...] = ()  # (part, device bytes): MemoryParts, worker/engine/budget.py
     steps: int = 0  # engine steps taken: the heartbeat's proof of progress (a hung engine stops it)
     policy_version: int = -1  # the version of the policy the host's view holds (-1: none yet)
 

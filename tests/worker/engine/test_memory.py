@@ -71,9 +71,9 @@ def _check_accounting(eng: Engine) -> None:
     assert p.total <= p.budget
     kv = eng.runner.kv
     assert p.target_kv == 2 * kv.k.numel() * kv.k.element_size() == kv.num_blocks * mem.target_bpb
-    dkv = eng.speculator.runner.kv
+    dkv = eng.proposer.runner.kv
     assert p.draft_kv == 2 * dkv.k.numel() * dkv.k.element_size()
-    draft_now = sum(t.numel() * t.element_size() for t in eng.speculator.runner.model.tensors())
+    draft_now = sum(t.numel() * t.element_size() for t in eng.proposer.runner.model.tensors())
     if mem.state == "offloaded":
         assert draft_now == 0 and p.draft_weights == 0 and p.draft_kv == 0  # really freed, not just uncounted
         assert eng.runner.blocks.num_blocks > mem.base_blocks
@@ -184,7 +184,7 @@ def _rss_bytes() -> int:
 def test_fifty_cycles_leave_memory_and_blocks_where_they_started(tight):
     eng = tight
     mem = eng.memory
-    before = [t.clone() for t in eng.speculator.runner.model.tensors()]
+    before = [t.clone() for t in eng.proposer.runner.model.tensors()]
     prompts = prompt_ids(pair()[0], 4)
     n = 0
 
@@ -213,8 +213,8 @@ def test_fifty_cycles_leave_memory_and_blocks_where_they_started(tight):
     rep = mem.report()
     assert rep.offloads >= 53 and rep.reloads >= 53
     assert rep.target_blocks == rep.base_blocks == eng.kv_blocks_free
-    assert rep.draft_blocks == rep.base_blocks == eng.speculator.runner.blocks.num_free
-    after = eng.speculator.runner.model.tensors()
+    assert rep.draft_blocks == rep.base_blocks == eng.proposer.runner.blocks.num_free
+    after = eng.proposer.runner.model.tensors()
     assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(before, after))
 
 

@@ -31,7 +31,7 @@ def _poison_unused_kv(eng) -> None:
     """Overwrite every KV slot no sequence may read (free blocks, slots past num_computed /
     draft_computed), so that reading stale KV would change the output."""
     for runner, attr, table_attr in ((eng.runner, "num_computed", "block_table"),
-                                     (eng.speculator.runner, "draft_computed", "draft_table")):
+                                     (eng.proposer.runner, "draft_computed", "draft_table")):
         bs = runner.block_size
         live = torch.zeros(runner.kv.num_blocks, bs, dtype=torch.bool)
         for s in eng.scheduler.running:
@@ -65,7 +65,7 @@ def test_greedy_speculation_is_token_identical_for_every_gamma(gamma):
         err = check_greedy(hf_greedy(target, p, N_TOKENS), out[f"r{i}"])
         assert err is None, f"γ={gamma} request {i}: {err}"
     assert eng.kv_blocks_free == eng.kv_blocks_total
-    assert eng.speculator.runner.blocks.num_free == eng.speculator.runner.blocks.num_blocks
+    assert eng.proposer.runner.blocks.num_free == eng.proposer.runner.blocks.num_blocks
 
 
 def test_gamma_changing_every_step_with_catchups_and_poisoned_stale_kv():
@@ -90,7 +90,7 @@ def test_gamma_changing_every_step_with_catchups_and_poisoned_stale_kv():
     assert catchups and all(st.catchup_ms > 0 for st in catchups)
     assert {st.gamma for st in stats if st is not None} >= {0, 3, 6}
     assert eng.kv_blocks_free == eng.kv_blocks_total
-    assert eng.speculator.runner.blocks.num_free == eng.speculator.runner.blocks.num_blocks
+    assert eng.proposer.runner.blocks.num_free == eng.proposer.runner.blocks.num_blocks
 
 
 def test_catchup_after_gamma_zero_rebuilds_exactly_the_missed_tokens():
@@ -170,7 +170,7 @@ def test_broken_draft_raises_the_alarm_in_stats():
     eng = engine(target, draft, acceptance_alarm_window=6)
     eng.set_gamma_policy(lambda b: 3)
     prompts = prompt_ids(target, 4)
-    head = eng.speculator.runner.model.w["head"]
+    head = eng.proposer.runner.model.w["head"]
     saved = head.clone()
     seen = []
     try:
@@ -190,7 +190,7 @@ def test_broken_draft_raises_the_alarm_in_stats():
 
 
 def test_table_policy_picks_the_bucket_at_or_below_the_batch_size():
-    from worker.engine.speculative import table_policy
+    from worker.engine.proposer import table_policy
 
     pol = table_policy({4: 2, 1: 4, 16: 0})
     assert [pol(b) for b in (1, 2, 4, 15, 16, 64)] == [4, 4, 2, 2, 0, 0]
@@ -201,7 +201,7 @@ def test_table_policy_picks_the_bucket_at_or_below_the_batch_size():
 def test_gamma_zero_runs_no_draft_work_at_all():
     target, _ = pair()
     eng = _spec_engine()
-    runner = eng.speculator.runner
+    runner = eng.proposer.runner
 
     def forbidden(runs):
         raise AssertionError("the draft ran a forward while γ = 0")

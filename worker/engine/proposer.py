@@ -1,10 +1,10 @@
-"""Draft-model speculation: catch-up, propose, and the exact acceptance rule.
+"""Proposer: the draft model's side of speculation — catch up its KV, then draft γ tokens.
 
 The draft keeps its own paged KV (its own pool and block tables, same block size) and its own
 counter ``seq.draft_computed``. While γ = 0 it does nothing at all, so its KV falls behind; the
 first speculative step after that rebuilds the missing tokens with one batched draft prefill
-(the catch-up, the switching cost C_switch), timed and counted. The acceptance rule:
-``accept_tokens``.
+(the catch-up, the switching cost C_switch), timed and counted. Which of the drafted tokens
+the target keeps is decided in rejection.py.
 """
 
 from __future__ import annotations
@@ -22,49 +22,13 @@ from worker.engine.sequence import Sequence
 
 @dataclass
 class Proposal:
+    """The draft's γ tokens per sequence, handed to the target's verify pass and to rejection.py."""
+
     tokens: torch.Tensor  # [B, γ] draft tokens
     q: torch.Tensor | None  # [B, γ, V] draft probabilities (None when every row is greedy)
     draft_ms: float
     catchup_tokens: int
     catchup_ms: float
-
-
-def accept_tokens(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Tensor,
-                  u_final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """p: [B, γ+1, V] target probs, q: [B, γ, V] draft probs, drafts: [B, γ] draft tokens,
-    u_accept: [B, γ], u_final: [B] uniforms -> (n_accepted [B], next token [B]).
-
-    Acceptance (Leviathan et al. / gpt-fast), per sequence, with p the target's and q the draft's
-    distributions after temperature / top-k / top-p (applied identically to both):
-        accept draft token x_i with probability min(1, p_i(x_i) / q_i(x_i)), stop at the first reject;
-        on a reject at i sample from the residual norm(max(0, p_i - q_i));
-        if all γ are accepted sample the bonus token from p_γ.
-    Greedy rows carry one-hot p and q, which turns this into "longest prefix matching the target's
-    argmax, then the target's token".
-    """
-    b, g1, v = p.shape
-    gamma = g1 - 1
-    rows = torch.arange(b, device=p.device)
-    if gamma > 0:
-        px = p[:, :gamma].gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, γ] p_i(x_i)
-        qx = q.gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, γ] q_i(x_i) > 0: x_i was drawn from q_i
-        ok = u_accept * qx < px  # u < p/q  <=>  accepted with probability min(1, p/q)
-        n = ok.long().cumprod(1).sum(1)  # [B] length of the accepted prefix
-        q_ext = torch.cat([q, torch.zeros(b, 1, v, dtype=q.dtype, device=q.device)], 1)  # [B, γ+1, V], q_γ := 0
-        resid = (p[rows, n] - q_ext[rows, n]).clamp_min(0.0)  # [B, V]; = p_γ when all accepted
-        # p == q exactly leaves no residual mass, but then nothing could be rejected there
-        resid = torch.where(resid.sum(1, keepdim=True) > 0, resid, p[rows, n])
-    else:
-        n = torch.zeros(b, dtype=torch.long, device=p.device)
-        resid = p[:, 0]
-    return n, sample(resid, u_final)
-
-
-def accept_greedy(target_argmax: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fast path when every row is greedy. target_argmax: [B, γ+1], drafts: [B, γ]."""
-    gamma = drafts.shape[1]
-    n = (drafts == target_argmax[:, :gamma]).long().cumprod(1).sum(1)  # [B]
-    return n, target_argmax.gather(1, n.unsqueeze(1)).squeeze(1)
 
 
 def table_policy(table: dict[int, int]) -> Callable[[int], int]:
@@ -81,7 +45,7 @@ def table_policy(table: dict[int, int]) -> Callable[[int], int]:
     return policy
 
 
-class Speculator:
+class Proposer:
     """The draft model, its KV pool, and its per-step work."""
 
     def __init__(self, runner: ModelRunner, target_vocab: int, max_catchup_tokens: int = 4096) -> None:

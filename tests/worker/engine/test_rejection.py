@@ -1,11 +1,11 @@
-"""Speculative sampling is lossless: the token stream is distributed exactly as the target's.
+"""The acceptance rule (worker/engine/rejection.py) is lossless: output is distributed as the target's.
 
-1. A synthetic pair of first-order Markov "models" over 4 tokens (so the exact distribution
-   of the first 3 tokens is known in closed form), many steps of the real acceptance function
-   vectorised over 200k streams, chi-square goodness of fit. A broken rule (residual = p
-   instead of max(0, p - q); or accepting everything) must fail the same test.
-2. The engine on the real pair (slow): 2 tokens sampled with γ = 3, temperature and top-k,
-   over many seeds, against the target's exact distribution computed with transformers.
+1. A pair of first-order Markov "models" over 4 tokens (the first 3 tokens' law known in closed
+   form), the real rule vectorised over 200k streams, chi-square fit; a broken rule (residual = p
+   instead of max(0, p - q), or accepting everything) must fail the same test.
+2. On greedy rows the rule is the greedy fast path.
+3. The engine on the real pair (slow): 2 tokens at γ = 3, temperature and top-k, many seeds,
+   against the target's exact distribution computed with transformers.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from nightjar.messages import SamplingParams
 from tests.conftest import engine, hf_model, pair, prompt_ids, run_all
 from worker.engine.engine import EngineRequest
+from worker.engine.rejection import accept, accept_greedy, accept_tokens
 from worker.engine.sampler import RowParams, probs_from_logits, sample
-from worker.engine.speculative import accept_tokens
 
 P_MIN = 1e-4  # reject "same distribution" below this chi-square p-value
 
@@ -110,6 +110,27 @@ def test_a_broken_acceptance_rule_fails_the_same_test(rule):
     except AssertionError:  # produced an impossible token: failed even harder
         return
     assert p_value < P_MIN, f"{rule.__name__} went unnoticed (p={p_value:.2e})"
+
+
+def test_greedy_fast_path_is_the_general_rule_on_one_hot_rows():
+    """On greedy rows p and q are one-hot, and the rejection rule becomes "longest prefix
+    matching the target's argmax, then the target's token": accept_greedy, whatever the uniforms."""
+    g = torch.Generator().manual_seed(3)
+    b, gamma, v = 256, 4, 5
+    logits = torch.randn(b, gamma + 1, v, generator=g)  # [B, γ+1, V] the target's
+    top = logits.argmax(-1)  # [B, γ+1]
+    guess = torch.randint(0, v, (b, gamma), generator=g)
+    drafts = torch.where(torch.rand(b, gamma, generator=g) < 0.7, top[:, :gamma], guess)  # [B, γ]
+    p = torch.zeros(b, gamma + 1, v).scatter_(2, top.unsqueeze(2), 1.0)
+    q = torch.zeros(b, gamma, v).scatter_(2, drafts.unsqueeze(2), 1.0)
+    u_accept, u_final = torch.rand(b, gamma, generator=g), torch.rand(b, generator=g)
+    n, nxt = accept_greedy(top, drafts)
+    assert 0 < int(n.sum()) and int((n == gamma).sum()) > 0 and int((n == 0).sum()) > 0  # every case met
+    n2, nxt2 = accept_tokens(p, q, drafts, u_accept, u_final)
+    assert torch.equal(n, n2) and torch.equal(nxt, nxt2)
+    params = [SamplingParams(temperature=0.0)] * b  # what the engine calls: the greedy path, no q needed
+    n3, nxt3 = accept(logits, drafts, None, RowParams.of(params), params, u_accept, u_final)
+    assert torch.equal(n, n3) and torch.equal(nxt, nxt3)
 
 
 @pytest.mark.slow
