@@ -215,6 +215,13 @@ class SlotNode:
             self._clients = None
 
 
+# What a pub/sub loop must survive when its connection is lost. redis-py reconnects a pub/sub
+# connection at once, inside get_message; when the node dies during that reconnect (a Cluster
+# primary SIGKILLed), the write on a transport uvloop has already closed raises RuntimeError
+# ("unable to perform operation on <TCPTransport closed=True>; the handler is closed"), not
+# ConnectionError, and that killed the worker's policy task, so the worker stopped.
+PUBSUB_ERRORS = (RedisError, OSError, RuntimeError)
+
 REDIS_RETRY_FIRST_S = 0.25
 REDIS_RETRY_MAX_S = 5.0
 

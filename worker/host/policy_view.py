@@ -9,10 +9,9 @@ import asyncio
 import logging
 from typing import Any, Callable, Protocol
 
-from redis.exceptions import RedisError
-
 from nightjar.keys import Keys
 from nightjar.messages import MessageError, Policy, Residency
+from nightjar.service_util import PUBSUB_ERRORS
 
 log = logging.getLogger("worker.policy")
 RESIDENCIES = (Residency.RESIDENT.value, Residency.OFFLOADED.value)  # the directives worker.engine.memory carries out
@@ -141,7 +140,7 @@ async def follow_policy(redis: Any, keys: Keys, view: PolicySink, stop_event: as
                     msg = await ps.get_message(ignore_subscribe_messages=True, timeout=0.5)
                     if msg and msg.get("type") == "message" and (p := _decode(msg["data"])) is not None:
                         view.update(p)
-        except (RedisError, OSError) as exc:
+        except PUBSUB_ERRORS as exc:
             log.warning("policy channel lost (%s); resubscribing", exc)
             try:
                 await asyncio.wait_for(stop_event.wait(), timeout=retry_s)

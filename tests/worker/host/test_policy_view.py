@@ -138,3 +138,44 @@ async def test_follow_survives_a_redis_restart(key_prefix):
         await asyncio.wait_for(task, 5)
         await r.aclose()
         server.stop()
+
+
+async def test_follow_survives_a_transport_closed_while_resubscribing(redis_url, key_prefix):
+    """redis-py reconnects a pub/sub connection inside get_message; when the node dies during
+    that (a Cluster primary SIGKILLed), uvloop raises RuntimeError for the closed transport, not
+    ConnectionError. The follower resubscribes as for any lost connection: that error used to
+    end it, which stopped the worker."""
+    keys = Keys(key_prefix)
+    r = aioredis.Redis.from_url(redis_url)
+    broken: list[bool] = []
+
+    class OnceBroken:  # the client, whose first pub/sub connection fails the way uvloop's did
+        def __getattr__(self, name):
+            return getattr(r, name)
+
+        def pubsub(self):
+            ps = r.pubsub()
+            if not broken:
+                broken.append(True)
+
+                async def closed_transport(**_kw):
+                    raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+                ps.get_message = closed_transport
+            return ps
+
+    view = PolicyView("w1", 0)
+    stop = asyncio.Event()
+    task = asyncio.create_task(follow_policy(OnceBroken(), keys, view, stop, retry_s=0.05))
+    try:
+        for _ in range(100):
+            await r.publish(keys.policy_channel, policy(9).encode())
+            if view.version == 9 or task.done():
+                break
+            await asyncio.sleep(0.05)
+        assert broken and not task.done(), task.exception() if task.done() else None
+        assert view.version == 9
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        await r.aclose()
