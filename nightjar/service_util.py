@@ -215,12 +215,13 @@ class SlotNode:
             self._clients = None
 
 
-# What a pub/sub loop must survive when its connection is lost. redis-py reconnects a pub/sub
-# connection at once, inside get_message; when the node dies during that reconnect (a Cluster
-# primary SIGKILLed), the write on a transport uvloop has already closed raises RuntimeError
-# ("unable to perform operation on <TCPTransport closed=True>; the handler is closed"), not
-# ConnectionError, and that killed the worker's policy task, so the worker stopped.
-PUBSUB_ERRORS = (RedisError, OSError, RuntimeError)
+# What a loop that must outlive a lost connection catches. When a node dies while redis-py
+# (re)connects or writes (a Cluster primary SIGKILLed), the write on a transport uvloop has
+# already closed raises RuntimeError ("unable to perform operation on <TCPTransport
+# closed=True>; the handler is closed"), not ConnectionError: it ended the worker's policy and
+# output tasks, so the worker stopped. Only the worker's pub/sub loops and its output write use
+# this so far (the failures seen); docs/reliability.md, "Redis Cluster", names the rest.
+REDIS_LOST_ERRORS = (RedisError, OSError, RuntimeError)
 
 REDIS_RETRY_FIRST_S = 0.25
 REDIS_RETRY_MAX_S = 5.0

@@ -11,7 +11,7 @@ from typing import Any, Callable, Protocol
 
 from nightjar.keys import Keys
 from nightjar.messages import MessageError, Policy, Residency
-from nightjar.service_util import PUBSUB_ERRORS
+from nightjar.service_util import REDIS_LOST_ERRORS
 
 log = logging.getLogger("worker.policy")
 RESIDENCIES = (Residency.RESIDENT.value, Residency.OFFLOADED.value)  # the directives worker.engine.memory carries out
@@ -140,7 +140,7 @@ async def follow_policy(redis: Any, keys: Keys, view: PolicySink, stop_event: as
                     msg = await ps.get_message(ignore_subscribe_messages=True, timeout=0.5)
                     if msg and msg.get("type") == "message" and (p := _decode(msg["data"])) is not None:
                         view.update(p)
-        except PUBSUB_ERRORS as exc:
+        except REDIS_LOST_ERRORS as exc:
             log.warning("policy channel lost (%s); resubscribing", exc)
             try:
                 await asyncio.wait_for(stop_event.wait(), timeout=retry_s)

@@ -17,7 +17,7 @@ from nightjar import metrics as m
 from nightjar.deadline import RedisClock, forwarded, remaining_ms
 from nightjar.keys import Keys
 from nightjar.messages import Cancel, Heartbeat, Job, MessageError, OutputChunk, Policy
-from nightjar.service_util import PUBSUB_ERRORS, REDIS_RETRY_FIRST_S, now_ms, wait_for_redis
+from nightjar.service_util import REDIS_LOST_ERRORS, REDIS_RETRY_FIRST_S, now_ms, wait_for_redis
 from nightjar.streams import dead_letter, ensure_group
 from worker.host.policy_view import follow_policy
 from worker.host.process import EngineProcess
@@ -369,7 +369,7 @@ class WorkerService:
                 if ops.outputs:
                     self._drop_moved(results[0])
                 return
-            except (RedisError, OSError) as exc:
+            except REDIS_LOST_ERRORS as exc:
                 log.error("could not write a step's output (%s); retrying in %.1fs", exc, delay_s)
                 await asyncio.sleep(delay_s)
                 delay_s = min(2.0, delay_s * 2)
@@ -431,7 +431,7 @@ class WorkerService:
                             continue
                         if rid in self.active:
                             self.engine.submit(Abort(rid))
-            except PUBSUB_ERRORS as exc:
+            except REDIS_LOST_ERRORS as exc:
                 log.warning("cancel channel lost (%s); resubscribing", exc)
                 await asyncio.sleep(0.5)
 
