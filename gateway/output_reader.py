@@ -15,11 +15,10 @@ import secrets
 import time
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from gateway.errors import Unavailable
 from nightjar.messages import MessageError, OutputChunk
-from nightjar.service_util import SlotNode
+from nightjar.service_util import REDIS_LOST_ERRORS, SlotNode
 
 log = logging.getLogger("gateway")
 
@@ -154,7 +153,7 @@ class OutputReader:
                     self._in_read = False
             except asyncio.CancelledError:
                 raise
-            except (RedisError, OSError) as exc:  # wait it out, cursors kept, up to retry_s
+            except REDIS_LOST_ERRORS as exc:  # wait it out, cursors kept, up to retry_s
                 self._reader_id = None
                 now = time.monotonic()
                 if failing_since is None:

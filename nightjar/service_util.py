@@ -219,8 +219,7 @@ class SlotNode:
 # (re)connects or writes (a Cluster primary SIGKILLed), the write on a transport uvloop has
 # already closed raises RuntimeError ("unable to perform operation on <TCPTransport
 # closed=True>; the handler is closed"), not ConnectionError: it ended the worker's policy and
-# output tasks, so the worker stopped. Only the worker's pub/sub loops and its output write use
-# this so far (the failures seen); docs/reliability.md, "Redis Cluster", names the rest.
+# output tasks, so the worker stopped. Every service's Redis retry loop catches this.
 REDIS_LOST_ERRORS = (RedisError, OSError, RuntimeError)
 
 REDIS_RETRY_FIRST_S = 0.25
@@ -250,7 +249,7 @@ async def wait_for_redis(redis: aioredis.Redis, stop: asyncio.Event, log: loggin
             if delay > REDIS_RETRY_FIRST_S:
                 log.info("Redis at %s answers", redis_where(redis))
             return True
-        except (RedisError, OSError) as exc:
+        except REDIS_LOST_ERRORS as exc:
             log.warning("waiting for Redis at %s (%s: %s); retrying in %.1fs", redis_where(redis),
                         type(exc).__name__, exc, delay)
         try:
@@ -360,7 +359,7 @@ async def run_redis_loop(name: str, cfg, make_service: Callable[[aioredis.Redis]
         started = time.monotonic()
         try:
             await make_service(redis).run(stop)
-        except (RedisError, OSError) as exc:
+        except REDIS_LOST_ERRORS as exc:
             if time.monotonic() - started > 30:  # it ran a while: a new outage, not a failing start
                 delay = REDIS_RETRY_FIRST_S
             log.warning("Redis failed under the %s (%s: %s); restarting it in %.1fs", name, type(exc).__name__, exc, delay)

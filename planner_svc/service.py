@@ -13,11 +13,10 @@ import secrets
 import time
 from typing import Any
 
-from redis.exceptions import RedisError
 
 from nightjar.keys import Keys
 from nightjar.messages import MessageError, PlannerState, Policy, StepStats
-from nightjar.service_util import write_and_publish
+from nightjar.service_util import REDIS_LOST_ERRORS, write_and_publish
 from nightjar.streams import ensure_group
 from planner_svc.config import PlannerConfig
 from planner_svc.policies import GammaPolicy, make_policy
@@ -177,16 +176,16 @@ class PlannerService:
             try:
                 if await self.step_once():
                     await asyncio.sleep(max(0.0, self.cfg.read_interval_ms / 1000.0 - (time.monotonic() - began)))
-            except (RedisError, OSError) as exc:
+            except REDIS_LOST_ERRORS as exc:
                 log.warning("redis error (%s); retrying", exc)
                 if "NOGROUP" in str(exc):  # Redis came back empty: recreate the stats group
                     self._pending_first = True
                     try:
                         await ensure_group(self.redis, self.keys.stats, self.keys.planner_group)
-                    except (RedisError, OSError):
+                    except REDIS_LOST_ERRORS:
                         pass
                 await asyncio.sleep(0.5)
         try:
             await self.save_state()
-        except (RedisError, OSError):
+        except REDIS_LOST_ERRORS:
             log.warning("could not save state on the way out")

@@ -11,13 +11,12 @@ import logging
 import time
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from nightjar.deadline import RedisClock, forwarded, remaining_ms
 from nightjar.dispatch_lease import lease_entry
 from nightjar.keys import Keys
 from nightjar.messages import Heartbeat, Job, MessageError, OutputChunk
-from nightjar.service_util import now_ms
+from nightjar.service_util import REDIS_LOST_ERRORS, now_ms
 from nightjar.streams import dead_letter, ensure_group
 from scheduler_svc.capacity import CapacityView, ProgressView
 from scheduler_svc.config import SchedulerConfig
@@ -71,7 +70,7 @@ class Dispatcher:
             await asyncio.gather(*tasks, return_exceptions=True)
             try:  # without a scheduler, gateways queue jobs for the next one to pick up
                 await self.redis.delete(self.keys.leases)
-            except (RedisError, OSError):
+            except REDIS_LOST_ERRORS:
                 pass
 
     async def ensure_group(self) -> None:
@@ -97,13 +96,13 @@ class Dispatcher:
                 if start == b"0":
                     start = entries[-1][0]  # keep paging through our history
                 await self.handle(entries, deliveries=1)
-            except (RedisError, OSError) as exc:
+            except REDIS_LOST_ERRORS as exc:
                 log.warning("dispatch: Redis error (%s); retrying", exc)
                 if "NOGROUP" in str(exc):  # Redis came back empty: the consumer group went with it
                     start = b"0"
                     try:
                         await self.ensure_group()
-                    except (RedisError, OSError):
+                    except REDIS_LOST_ERRORS:
                         pass
                 await asyncio.sleep(0.5)
             except Exception:  # entries it left pending are reclaimed, counted, and dead-lettered in the end
@@ -198,7 +197,7 @@ class Dispatcher:
         while not stop.is_set():
             try:
                 await self.reclaim()
-            except (RedisError, OSError) as exc:
+            except REDIS_LOST_ERRORS as exc:
                 log.warning("reclaim: Redis error (%s)", exc)
             except Exception:
                 log.exception("reclaim: unexpected error; going on")
@@ -238,7 +237,7 @@ class Dispatcher:
                 for worker in dead:
                     if await self.redispatch(worker) and worker in self._stalled:
                         self._stall_handled.add(worker)
-            except (RedisError, OSError) as exc:
+            except REDIS_LOST_ERRORS as exc:
                 log.warning("watch: Redis error (%s)", exc)
             except Exception:
                 log.exception("watch: unexpected error; going on")

@@ -186,7 +186,7 @@ class WorkerService:
             if handed:
                 await pipe.execute()
                 log.info("draining: handed %d unstarted jobs back to the scheduler", len(handed))
-        except (RedisError, OSError) as exc:  # they are re-dispatched when the heartbeat goes
+        except REDIS_LOST_ERRORS as exc:  # they are re-dispatched when the heartbeat goes
             log.warning("draining: could not hand jobs back (%s)", exc)
 
     async def _connect(self, stop: asyncio.Event) -> bool:
@@ -196,7 +196,7 @@ class WorkerService:
                 await self._ensure_group()
                 await self.clock.sync(self.redis)
                 return True
-            except (RedisError, OSError) as exc:  # went away again between the ping and here
+            except REDIS_LOST_ERRORS as exc:  # went away again between the ping and here
                 log.warning("Redis failed while starting (%s); waiting for it again", exc)
                 await asyncio.sleep(REDIS_RETRY_FIRST_S)
         return False
@@ -222,7 +222,7 @@ class WorkerService:
                     log.warning("inbox was removed (declared dead after a pause?); recreating it")
                     try:
                         await self._ensure_group()
-                    except (RedisError, OSError) as exc2:
+                    except REDIS_LOST_ERRORS as exc2:
                         log.warning("inbox: cannot recreate it yet (%s)", exc2)
                         await asyncio.sleep(0.5)
                     continue
@@ -230,7 +230,7 @@ class WorkerService:
                 # again; this task dying left a worker that heartbeats but never reads its inbox.
                 log.warning("inbox: Redis refused (%s); retrying", exc)
                 await asyncio.sleep(0.5)
-            except (RedisError, OSError) as exc:
+            except REDIS_LOST_ERRORS as exc:
                 log.warning("inbox: Redis error (%s); retrying", exc)
                 await asyncio.sleep(0.5)
 
@@ -443,7 +443,7 @@ class WorkerService:
                 continue
             try:
                 flags = await self.redis.mget([self.keys.cancel(r) for r in rids])
-            except (RedisError, OSError):
+            except REDIS_LOST_ERRORS:
                 continue
             for rid, flag in zip(rids, flags):
                 if flag is not None and rid in self.active:
@@ -469,7 +469,7 @@ class WorkerService:
                          px=int(self.cfg.heartbeat_ttl_s * 1000))
                 pipe.sadd(self.keys.workers, self.cfg.worker_id)
                 await pipe.execute()
-        except (RedisError, OSError) as exc:  # the reason only: a pipeline's message quotes the binary record
+        except REDIS_LOST_ERRORS as exc:  # the reason only: a pipeline's message quotes the binary record
             log.warning("heartbeat failed (%s: %s)", type(exc).__name__, str(exc).split("caused error: ", 1)[-1])
 
     async def _heartbeat_loop(self) -> None:
@@ -480,7 +480,7 @@ class WorkerService:
                 try:
                     await self.clock.sync(self.redis)
                     synced = time.monotonic()
-                except (RedisError, OSError):
+                except REDIS_LOST_ERRORS:
                     pass
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
 
