@@ -84,6 +84,15 @@ class EmbeddedRedis:
         client.close()
         return self
 
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def restart(self) -> "EmbeddedRedis":
+        """Start again on the same port with the same password (the data is gone unless
+        ``appendonly`` with a ``data_dir``); the services reconnect by themselves."""
+        self.stop()
+        return self.start()
+
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()

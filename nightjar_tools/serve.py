@@ -24,6 +24,7 @@ from planner_svc.config import PlannerConfig
 from nightjar_tools.model_check import check
 from nightjar_tools.model_ref import resolve
 from nightjar_tools.stack import Stack, StackConfig
+from nightjar_tools.supervisor import Supervisor
 
 
 def add_stack_args(p: argparse.ArgumentParser, *, port: int, http_port: int | None = None) -> None:
@@ -162,12 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.metrics_port:
         ports = ", ".join(f"{svc.name} :{svc.metrics_port}" for svc in stack.services)
         print(f"nightjar: /metrics on {ports}", file=sys.stderr)
+    supervisor = Supervisor(stack, log=lambda line: print(line, file=sys.stderr, flush=True))
     try:
         while not stop.wait(1.0):
-            for svc in stack.services:
-                if svc.proc and svc.proc.poll() is not None and not getattr(svc, "_reported", False):
-                    svc._reported = True  # type: ignore[attr-defined]
-                    print(f"nightjar: {svc.name} exited with {svc.proc.returncode}; see {svc.log_path}", file=sys.stderr)
+            supervisor.tick()
     finally:
         print("nightjar: stopping", file=sys.stderr)
         stack.stop()

@@ -258,13 +258,18 @@ class Stack:
         env.pop("NIGHTJAR_METRICS_PORT", None)  # the same port for every service would stop all but one
         if name == "gateway" and self.cfg.api_key:
             env["NIGHTJAR_AUTH_TOKEN"] = self.cfg.api_key
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen([*niced(0 if name == "worker" else self.cfg.io_nice), sys.executable, "-m", "nightjar_tools.cli", name, *full],
-                                    stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=env, cwd=str(paths.ROOT))
-        svc = Service(name, full, log_path, proc, metrics_port, env)
+        svc = Service(name, full, log_path, None, metrics_port, env)
+        self.relaunch(svc)
         self.services.append(svc)
         return svc
+
+    def relaunch(self, svc: Service) -> None:
+        """Start ``svc``'s process (again: its log is appended to, its arguments and environment kept)."""
+        with open(svc.log_path, "ab") as log:
+            svc.proc = subprocess.Popen([*niced(0 if svc.name == "worker" else self.cfg.io_nice), sys.executable, "-m",
+                                         "nightjar_tools.cli", svc.name, *svc.args],
+                                        stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=svc.env, cwd=str(paths.ROOT))
 
     def wait_ready(self, timeout_s: float, workers: int = 1) -> None:
         """Until the gateway's health is SERVING and ``workers`` workers heartbeat."""
