@@ -13,7 +13,6 @@ import secrets
 import time
 from typing import Any
 
-
 from nightjar.keys import Keys
 from nightjar.messages import MessageError, PlannerState, Policy, StepStats
 from nightjar.service_util import REDIS_LOST_ERRORS, write_and_publish
