@@ -62,8 +62,12 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
                         kv_budget_bytes=a.kv_budget_bytes, progress=False, seed=a.seed)
     bank, rows, version = PromptBank(), [], 0
     warm = [bank.text(16, np.random.default_rng(1))] * 2
-    async with _Running(cfg.stack_config("nightjar", out / "logs" / "nightjar")) as learner, \
-            _Running(cfg.stack_config("off", out / "logs" / "static", planner=False)) as static:
+    first = _Running(cfg.stack_config("off", out / "logs" / "static", planner=False) if a.static_first
+                     else cfg.stack_config("nightjar", out / "logs" / "nightjar"))
+    second = _Running(cfg.stack_config("nightjar", out / "logs" / "nightjar") if a.static_first
+                      else cfg.stack_config("off", out / "logs" / "static", planner=False))
+    async with first as one, second as two:
+        learner, static = (two, one) if a.static_first else (one, two)
         for stack in (learner, static):
             await run_on_stack(stack, _fixed_workload(2, 16, 8), warm, _quiet(cfg), "warmup")
         for c in clients:
@@ -133,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds-per-repeat", type=int, default=1,
                    help="consecutive rounds pooled into one repeat's ratio: short rounds interleave the "
                         "policies more finely against the machine's drift (BENCHMARKS.md, the live planner)")
+    p.add_argument("--static-first", action="store_true",
+                   help="start the planner-less stack first (the learner stack's steps ran ~5%% slower when it started "
+                        "first: BENCHMARKS.md, the live planner, fourth session)")
     p.add_argument("--kv-budget-bytes", type=int, default=256 << 20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
