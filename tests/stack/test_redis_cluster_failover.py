@@ -47,6 +47,17 @@ def _stack(cluster: LocalCluster) -> Stack:
                              draft_path=Path(draft), policy="fixed:2", worker_threads=1, **kw))
 
 
+def _assert_whole(results, reference: dict, after: list[int], event: str) -> None:
+    """Every stream complete and token-identical to its reference, ``event`` mid-stream, and a
+    request after it served like one before it."""
+    for prompt, (tokens, at_event, end) in zip(PROMPTS, results):
+        assert end == "length" and len(tokens) == N_TOKENS, (prompt, len(tokens), end)
+        assert 0 < at_event < N_TOKENS, f"{event} must fall mid-stream (tokens before it: {at_event})"
+        assert_same_greedy(prompt, tokens, reference[prompt], N_TOKENS)
+    assert len(after) == N_TOKENS
+    assert_same_greedy(PROMPTS[0], after, reference[PROMPTS[0]], N_TOKENS)
+
+
 async def _collect(c: AsyncClient, prompt: str, progress: dict[str, int], failing: asyncio.Event):
     """(token ids, tokens that had arrived when the failover began or -1 if the stream ended
     before, finish reason or the error that ended the stream)."""
@@ -107,12 +118,7 @@ async def test_streams_survive_a_manual_failover_of_their_primary(replicated):
         assert role[0] == b"slave" and int(role[2]) == replica, role
         assert not dead_services(stack)
         logs = _logs(stack)
-    for prompt, (tokens, at_failover, end) in zip(PROMPTS, results):
-        assert end == "length" and len(tokens) == N_TOKENS, (prompt, len(tokens), end)
-        assert 0 < at_failover < N_TOKENS, f"the failover must fall mid-stream (tokens before its end: {at_failover})"
-        assert_same_greedy(prompt, tokens, reference[prompt], N_TOKENS)
-    assert len(after) == N_TOKENS  # a request after the failover is served like one before it
-    assert_same_greedy(PROMPTS[0], after, reference[PROMPTS[0]], N_TOKENS)
+    _assert_whole(results, reference, after, "the failover")
     # The gateway's reader, pinned to the old primary, was cut off with every stream in flight
     # (Redis 6.2 answers a blocked XREAD with UNBLOCKED when its node turns replica)
     # and re-pinned to the new one.
@@ -175,10 +181,5 @@ async def test_streams_follow_their_slot_resharded_mid_stream(replicated):
         assert not cluster.ask_node(before, "CLUSTER COUNTKEYSINSLOT", cluster.slot(keys.policy))
         assert not dead_services(stack)
         logs = _logs(stack)
-    for prompt, (tokens, at_move, end) in zip(PROMPTS, results):
-        assert end == "length" and len(tokens) == N_TOKENS, (prompt, len(tokens), end)
-        assert 0 < at_move < N_TOKENS, f"the reshard must begin mid-stream (tokens before it: {at_move})"
-        assert_same_greedy(prompt, tokens, reference[prompt], N_TOKENS)
-    assert len(later) == N_TOKENS
-    assert_same_greedy(PROMPTS[0], later, reference[PROMPTS[0]], N_TOKENS)
+    _assert_whole(results, reference, later, "the reshard")
     assert "Traceback" not in logs, logs[-4000:]
