@@ -22,14 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from nightjar_tools.bench import report  # noqa: E402
-from nightjar_tools.bench.compare import (CompareConfig, KeepPublished, WorkloadPlan, _fixed_workload,  # noqa: E402
-                                          _quiet, _Running, run_on_stack, speed_probe_ms, wait_idle)
+from nightjar_tools.bench.compare import (CompareConfig, KeepPublished, WorkloadPlan, _Running,  # noqa: E402
+                                          run_on_stack, speed_probe_ms, wait_idle, warm_up)
 from nightjar_tools.bench.workload import PromptBank, build  # noqa: E402
 
 
@@ -61,7 +59,6 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
     cfg = CompareConfig(policies=("nightjar",), workloads=(WorkloadPlan(f"closed:{clients[0]}", a.seconds),), out_dir=out,
                         kv_budget_bytes=a.kv_budget_bytes, progress=False, seed=a.seed)
     bank, rows, version = PromptBank(), [], 0
-    warm = [bank.text(16, np.random.default_rng(1))] * 2
     first = _Running(cfg.stack_config("off", out / "logs" / "static", planner=False) if a.static_first
                      else cfg.stack_config("nightjar", out / "logs" / "nightjar"))
     second = _Running(cfg.stack_config("nightjar", out / "logs" / "nightjar") if a.static_first
@@ -69,7 +66,7 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
     async with first as one, second as two:
         learner, static = (two, one) if a.static_first else (one, two)
         for stack in (learner, static):
-            await run_on_stack(stack, _fixed_workload(2, 16, 8), warm, _quiet(cfg), "warmup")
+            await warm_up(stack, cfg, bank)
         for c in clients:
             wl = build(f"closed:{c}", 1.0, a.seconds, seed=a.seed, scale=cfg.scale)
             wl = dataclasses.replace(wl, warmup_s=a.warmup_s, duration_s=a.warmup_s + a.seconds)

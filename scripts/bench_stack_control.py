@@ -19,13 +19,11 @@ import statistics
 import sys
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nightjar_tools.bench.compare import (CompareConfig, KeepPublished, WorkloadPlan, _fixed_workload,  # noqa: E402
-                                          _quiet, _Running, run_on_stack, wait_idle)
+from nightjar_tools.bench.compare import (CompareConfig, KeepPublished, WorkloadPlan, _Running,  # noqa: E402
+                                          wait_idle, warm_up)
 from nightjar_tools.bench.loadgen import LoadConfig, run_load  # noqa: E402
 from nightjar_tools.bench.probe import StackProbe  # noqa: E402
 from nightjar_tools.bench.workload import PromptBank, build  # noqa: E402
@@ -64,7 +62,7 @@ async def run(a: argparse.Namespace) -> list[dict]:
             _Running(cfg.stack_config("nightjar", a.out / "N")) as N:
         stacks = {"N": N, "P": P, "S": S}
         for stack in stacks.values():
-            await run_on_stack(stack, _fixed_workload(2, 16, 8), [bank.text(16, np.random.default_rng(1))] * 2, _quiet(cfg), "warmup")
+            await warm_up(stack, cfg, bank)
         wl = build(f"closed:{a.clients}", 1.0, a.seconds, seed=0, scale=cfg.scale)
         wl = dataclasses.replace(wl, warmup_s=a.warmup_s, duration_s=a.warmup_s + a.seconds)
         texts = bank.texts(wl, 0)

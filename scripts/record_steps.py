@@ -16,12 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nightjar_tools.bench.compare import CompareConfig, WorkloadPlan, _fixed_workload, _quiet, _Running, run_on_stack  # noqa: E402
+from nightjar_tools.bench.compare import CompareConfig, WorkloadPlan, _Running, run_on_stack, warm_up  # noqa: E402
 from nightjar_tools.bench.probe import StackProbe  # noqa: E402
 from nightjar_tools.bench.workload import PromptBank, build  # noqa: E402
 
@@ -35,7 +33,7 @@ async def record(a: argparse.Namespace) -> dict:
                         kv_budget_bytes=a.kv_budget_bytes, progress=False, seed=0)
     bank = PromptBank()
     async with _Running(cfg.stack_config("nightjar", logs)) as stack:
-        await run_on_stack(stack, _fixed_workload(2, 16, 8), [bank.text(16, np.random.default_rng(1))] * 2, _quiet(cfg), "warmup")
+        await warm_up(stack, cfg, bank)
         wl = build(f"closed:{a.clients}", 1.0, a.seconds, seed=0, scale=cfg.scale)
         probe = StackProbe(stack.redis_url, stack.cfg.key_prefix)
         await probe.start()

@@ -180,6 +180,11 @@ async def run_on_stack(stack: Stack, workload: Workload, prompts: list[str], cfg
         await probe.close()
 
 
+
+async def warm_up(stack: Stack, cfg: CompareConfig, bank: PromptBank) -> None:
+    """Two short requests, uncounted: the first steps of a fresh stack load and compile."""
+    await run_on_stack(stack, _fixed_workload(2, 16, 8), [bank.text(16, np.random.default_rng(1))] * 2, _quiet(cfg), "warmup")
+
 async def wait_idle(stack: Stack, timeout_s: float = 30.0) -> bool:
     """Until every worker reports nothing running or waiting (the previous run's stragglers)."""
     probe = StackProbe(stack.redis_url, stack.cfg.key_prefix)
@@ -426,7 +431,7 @@ async def _oracle(cmp: Comparison, cfg: CompareConfig, rep: int, bank: PromptBan
               for plan in cfg.workloads}
     cmp.calibration.setdefault("oracle_tables", {})[str(rep)] = {k: {str(b): g for b, g in t.items()} for k, t in tables.items()}
     async with _Running(cfg.stack_config("off", cfg.out_dir / "logs" / f"oracle-r{rep}", planner=False)) as stack:
-        await run_on_stack(stack, _fixed_workload(2, 16, 8), [bank.text(16, np.random.default_rng(1))] * 2, _quiet(cfg), "warmup")
+        await warm_up(stack, cfg, bank)
         for k, (plan, wl, texts) in enumerate(zip(cfg.workloads, workloads, prompts)):
             table = tables[plan.spec]
             if not table:
@@ -452,7 +457,7 @@ async def _one_policy(cmp: Comparison, cfg: CompareConfig, policy: str, rep: int
     safe = policy.replace(":", "_").replace(",", "_").replace("=", "-") + (f"-r{rep}" if rep else "")
     async with _Running(cfg.stack_config(policy, cfg.out_dir / "logs" / safe)) as stack:
         cmp.stack_start_s[f"{policy}#{rep}"] = time.monotonic() - t0
-        await run_on_stack(stack, _fixed_workload(2, 16, 8), [bank.text(16, np.random.default_rng(1))] * 2, _quiet(cfg), "warmup")
+        await warm_up(stack, cfg, bank)
         for plan, wl, texts in zip(cfg.workloads, workloads, prompts):
             if not await wait_idle(stack):
                 log(f"policy {policy}: the stack was still busy after 30 s; starting {plan.spec} anyway")
