@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from gateway.errors import QueueFull, Unavailable
@@ -25,7 +26,8 @@ class InFlight:
 
 
 class AdmissionTable:
-    def __init__(self, max_streams: int, max_queued: int, retry_after_ms: int) -> None:
+    def __init__(self, max_streams: int, max_queued: int, retry_after_ms: int,
+                 recheck: Callable[[], Awaitable[bool]] | None = None) -> None:
         self._streams = asyncio.Semaphore(max_streams)
         self._max_queued = max_queued
         self._retry_after_ms = retry_after_ms
@@ -33,6 +35,7 @@ class AdmissionTable:
         self._queued = 0  # entries without a first token
         self.backlog = 0  # undispatched jobs in the requests stream (XLEN, polled by the health task)
         self.redis_ok = True  # last health poll reached Redis
+        self._recheck = recheck  # asks Redis again before a request is refused for the poll's answer
         self.draining = False
         self.idle = asyncio.Event()
         self.idle.set()
@@ -52,6 +55,8 @@ class AdmissionTable:
             raise Unavailable("the request queue (Redis) is unreachable; retry shortly")
 
     async def admit(self, request_id: str) -> InFlight:
+        if not self.redis_ok and not self.draining and self._recheck is not None:
+            self.redis_ok = await self._recheck()
         self.check_open()
         waiting = max(self._queued, self.backlog)
         if self._streams.locked() or waiting >= self._max_queued:

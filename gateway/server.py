@@ -56,9 +56,13 @@ class Gateway:
         self._redis = connect_redis(cfg.redis_url, timeout_s=cfg.redis_timeout_s,
                                     block_margin_s=cfg.read_block_ms / 1000 + 5.0)
         # A separate client for the health poll, with a short read timeout: a hung Redis
-        # must turn the gateway NOT_SERVING quickly, not after a blocking read's margin.
-        self._probe = connect_redis(cfg.redis_url, timeout_s=cfg.redis_timeout_s, block_margin_s=cfg.redis_timeout_s)
-        self.table = AdmissionTable(cfg.max_streams, cfg.max_queued, cfg.retry_after_ms)
+        # must turn the gateway NOT_SERVING quickly, not after a blocking read's margin. No
+        # client-side retries: the poll is the retry loop, and redis-py's backoff (up to 1 s a
+        # try) held the gateway refusing requests for seconds after Redis was back.
+        self._probe = connect_redis(cfg.redis_url, timeout_s=cfg.redis_timeout_s, block_margin_s=cfg.redis_timeout_s,
+                                    retries=0)
+        self.table = AdmissionTable(cfg.max_streams, cfg.max_queued, cfg.retry_after_ms, recheck=self._redis_back)
+        self._recheck: asyncio.Future[bool] | None = None
         # One connection of its own for the shared XREAD, so CLIENT UNBLOCK targets only it; on
         # Cluster, on the node that owns the stack's slot (the one all its output streams share).
         self._reader_redis: aioredis.Redis | None = None
@@ -160,6 +164,21 @@ class Gateway:
                 self.table.redis_ok, ready = False, False
             await self._set_health(SERVING if ready and not self.table.draining else NOT_SERVING)
             await asyncio.sleep(self.cfg.health_interval_s)
+
+    async def _redis_back(self) -> bool:
+        """Is Redis reachable now? Asked by a request that meets the last poll's "unreachable",
+        so that it is not refused for a poll's interval after Redis came back. One PING at a
+        time, shared by the requests that arrive meanwhile."""
+        if self._recheck is None or self._recheck.done():
+            self._recheck = asyncio.ensure_future(self._ping())
+        return await asyncio.shield(self._recheck)
+
+    async def _ping(self) -> bool:
+        try:
+            await self._probe.ping()
+            return True
+        except Exception:  # any Redis failure means: still unreachable
+            return False
 
     async def _set_health(self, status: int) -> None:
         if status != self._status:

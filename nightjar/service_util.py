@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 ENV_PREFIX = "NIGHTJAR_"
@@ -143,7 +145,8 @@ def masked(url: str) -> str:
     return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
 
 
-def connect_redis(url: str, *, timeout_s: float = 1.0, block_margin_s: float = 5.0) -> aioredis.Redis:
+def connect_redis(url: str, *, timeout_s: float = 1.0, block_margin_s: float = 5.0,
+                  retries: int | None = None) -> aioredis.Redis:
     """An asyncio client for ``url`` (password and TLS come from the URL: rediss://:pw@host).
 
     ``timeout_s`` bounds connecting, so an unreachable Redis fails fast instead of hanging a
@@ -151,6 +154,8 @@ def connect_redis(url: str, *, timeout_s: float = 1.0, block_margin_s: float = 5
     A ``redis+cluster://`` URL gives redis-py's cluster client (``RedisCluster``), which follows
     MOVED/ASK and re-reads the topology after a failover; its API is the same for what the
     services call, as long as every key of a command shares one slot (a ``{tag}`` key prefix).
+    ``retries``: how often a command is retried on a lost connection, without backoff (None:
+    redis-py's default, 10 with backoff up to 1 s; a poll that is its own retry loop wants 0).
     """
     kw = dict(
         socket_connect_timeout=timeout_s,
@@ -162,6 +167,8 @@ def connect_redis(url: str, *, timeout_s: float = 1.0, block_margin_s: float = 5
         # (Per node on Cluster.)
         max_connections=MAX_REDIS_CONNECTIONS,
     )
+    if retries is not None:
+        kw["retry"] = Retry(NoBackoff(), retries)
     if is_cluster_url(check_redis_url(url)):
         from redis.asyncio.cluster import ClusterNode, RedisCluster
 

@@ -171,6 +171,27 @@ async def test_admission_refuses_while_draining_or_redis_down():
         await t.admit("a")
 
 
+async def test_admission_asks_redis_again_before_refusing_for_a_stale_poll():
+    answers, asked = [False, True], []
+
+    async def recheck() -> bool:
+        asked.append(1)
+        return answers[len(asked) - 1]
+
+    t = AdmissionTable(4, 4, 100, recheck=recheck)
+    t.redis_ok = False
+    with pytest.raises(errors.Unavailable, match="unreachable"):  # still down: refused
+        await t.admit("a")
+    entry = await t.admit("b")  # back since the last poll: admitted, and the flag follows
+    assert t.redis_ok and t.in_flight == 1 and entry.request_id == "b"
+    await t.admit("c")
+    assert len(asked) == 2, "a healthy flag is trusted: no Redis round trip per request"
+    t.redis_ok, t.draining = False, True
+    with pytest.raises(errors.Unavailable, match="draining"):
+        await t.admit("d")
+    assert len(asked) == 2, "a draining gateway refuses without asking Redis"
+
+
 def test_status_codes():
     assert status_for(errors.InvalidArgument("top_k", "bad"))[0] == grpc.StatusCode.INVALID_ARGUMENT
     code, _, trailer = status_for(errors.QueueFull("full", 250))

@@ -19,7 +19,7 @@ from nightjar.v1 import inference_pb2 as pb
 from nightjar.v1 import inference_pb2_grpc as pb_grpc
 from nightjar_tools.redis_server import EmbeddedRedis, free_port
 from tests.conftest import pair, tokenizer
-from tests.gateway.conftest import collect, config
+from tests.gateway.conftest import collect, config, take_job
 
 
 async def test_rerun_chunks_are_deduplicated_by_index(rig):
@@ -160,6 +160,35 @@ async def test_unavailable_fast_while_redis_is_down_and_back_after(key_prefix):
             await asyncio.sleep(0.02)
         job = Job.decode(entries[0][1][b"job"])
         await r.xadd(keys.output(job.request_id), {b"c": OutputChunk(job.request_id, 0, (9,), finish_reason="length").encode()})
+        assert (await task)[0] == [9]
+        await r.aclose()
+    finally:
+        await channel.close()
+        await gw.drain_and_stop()
+        server.stop()
+
+
+async def test_a_request_right_after_redis_returns_is_served_before_the_next_poll(key_prefix):
+    """The health poll said "unreachable" and its next turn is up to a second away: a request
+    that arrives as Redis comes back is admitted (the gateway asks Redis again), not refused
+    for the poll's stale answer."""
+    server = EmbeddedRedis(port=free_port()).start()
+    gw = Gateway(config(server.url, key_prefix, health_interval_s=1.0), tokenizer=tokenizer(pair()[0]))
+    await gw.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}")
+    stub = pb_grpc.InferenceServiceStub(channel)
+    try:
+        server.stop()
+        deadline = time.monotonic() + 5
+        while gw.table.redis_ok:
+            assert time.monotonic() < deadline, "the poll never noticed Redis was gone"
+            await asyncio.sleep(0.01)
+        server.start()  # same port, well before the poll's next turn
+        task = asyncio.create_task(collect(stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=1))))
+        r = connect_redis(server.url)
+        job = await take_job(r, Keys(key_prefix))
+        await r.xadd(Keys(key_prefix).output(job.request_id),
+                     {b"c": OutputChunk(job.request_id, 0, (9,), finish_reason="length").encode()})
         assert (await task)[0] == [9]
         await r.aclose()
     finally:
