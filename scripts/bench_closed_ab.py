@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from nightjar_tools.bench import report  # noqa: E402
-from nightjar_tools.bench.compare import (CompareConfig, KeepPublished, WorkloadPlan, _Running,  # noqa: E402
+from nightjar_tools.bench.compare import (CompareConfig, KeepPublished, WorkloadPlan, RunningStack,  # noqa: E402
                                           run_on_stack, speed_probe_ms, wait_idle, warm_up)
 from nightjar_tools.bench.workload import PromptBank, build  # noqa: E402
 
@@ -59,9 +59,9 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
     cfg = CompareConfig(policies=("nightjar",), workloads=(WorkloadPlan(f"closed:{clients[0]}", a.seconds),), out_dir=out,
                         kv_budget_bytes=a.kv_budget_bytes, progress=False, seed=a.seed)
     bank, rows, version = PromptBank(), [], 0
-    first = _Running(cfg.stack_config("off", out / "logs" / "static", planner=False) if a.static_first
+    first = RunningStack(cfg.stack_config("off", out / "logs" / "static", planner=False) if a.static_first
                      else cfg.stack_config("nightjar", out / "logs" / "nightjar"))
-    second = _Running(cfg.stack_config("nightjar", out / "logs" / "nightjar") if a.static_first
+    second = RunningStack(cfg.stack_config("nightjar", out / "logs" / "nightjar") if a.static_first
                       else cfg.stack_config("off", out / "logs" / "static", planner=False))
     async with first as one, second as two:
         learner, static = (two, one) if a.static_first else (one, two)

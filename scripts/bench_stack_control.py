@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nightjar_tools.bench.compare import (CompareConfig, KeepPublished, WorkloadPlan, _Running,  # noqa: E402
+from nightjar_tools.bench.compare import (CompareConfig, KeepPublished, WorkloadPlan, RunningStack,  # noqa: E402
                                           wait_idle, warm_up)
 from nightjar_tools.bench.loadgen import LoadConfig, run_load  # noqa: E402
 from nightjar_tools.bench.probe import StackProbe  # noqa: E402
@@ -57,9 +57,9 @@ async def run(a: argparse.Namespace) -> list[dict]:
     cfg = CompareConfig(policies=("nightjar",), workloads=(WorkloadPlan(f"closed:{a.clients}", a.seconds),), out_dir=a.out,
                         kv_budget_bytes=a.kv_budget_bytes, progress=False, seed=0)
     bank, rows, version = PromptBank(), [], 0
-    async with _Running(cfg.stack_config("off", a.out / "S", planner=False)) as S, \
-            _Running(cfg.stack_config(f"fixed:{a.gamma}", a.out / "P")) as P, \
-            _Running(cfg.stack_config("nightjar", a.out / "N")) as N:
+    async with RunningStack(cfg.stack_config("off", a.out / "S", planner=False)) as S, \
+            RunningStack(cfg.stack_config(f"fixed:{a.gamma}", a.out / "P")) as P, \
+            RunningStack(cfg.stack_config("nightjar", a.out / "N")) as N:
         stacks = {"N": N, "P": P, "S": S}
         for stack in stacks.values():
             await warm_up(stack, cfg, bank)

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nightjar_tools.bench.compare import CompareConfig, WorkloadPlan, _Running, run_on_stack, warm_up  # noqa: E402
+from nightjar_tools.bench.compare import CompareConfig, WorkloadPlan, RunningStack, run_on_stack, warm_up  # noqa: E402
 from nightjar_tools.bench.probe import StackProbe  # noqa: E402
 from nightjar_tools.bench.workload import PromptBank, build  # noqa: E402
 
@@ -32,7 +32,7 @@ async def record(a: argparse.Namespace) -> dict:
     cfg = CompareConfig(policies=("nightjar",), workloads=(WorkloadPlan(f"closed:{a.clients}", a.seconds),), out_dir=logs,
                         kv_budget_bytes=a.kv_budget_bytes, progress=False, seed=0)
     bank = PromptBank()
-    async with _Running(cfg.stack_config("nightjar", logs)) as stack:
+    async with RunningStack(cfg.stack_config("nightjar", logs)) as stack:
         await warm_up(stack, cfg, bank)
         wl = build(f"closed:{a.clients}", 1.0, a.seconds, seed=0, scale=cfg.scale)
         probe = StackProbe(stack.redis_url, stack.cfg.key_prefix)

@@ -367,7 +367,7 @@ def run_comparison(cfg: CompareConfig, log=print) -> Comparison:
     return asyncio.run(_run_comparison(cfg, log))
 
 
-class _Running:
+class RunningStack:
     """A Stack started and stopped off the event loop (both block for seconds)."""
 
     def __init__(self, cfg: StackConfig) -> None:
@@ -395,7 +395,7 @@ async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
         cal["notes"].append("no policy names G: no batch-1 γ probe")
     if cal["fixed_gamma"] is None or cal["capacity_rps"] is None:
         # γ probe (and the capacity at γ = 0) on a stack without a planner: the bench publishes.
-        async with _Running(cfg.stack_config("off", cfg.out_dir / "logs" / "calibration", planner=False)) as stack:
+        async with RunningStack(cfg.stack_config("off", cfg.out_dir / "logs" / "calibration", planner=False)) as stack:
             info = await model_info(stack.address)
             log(f"calibrating on {stack.address} (model {info.model}, draft {info.draft_model or 'none'}, γmax {info.gamma_max})")
             if cal["fixed_gamma"] is None:
@@ -430,7 +430,7 @@ async def _oracle(cmp: Comparison, cfg: CompareConfig, rep: int, bank: PromptBan
     tables = {plan.spec: report.oracle_table([r for r in cmp.runs if r["workload"] == plan.spec and r.get("repeat", 0) == rep])
               for plan in cfg.workloads}
     cmp.calibration.setdefault("oracle_tables", {})[str(rep)] = {k: {str(b): g for b, g in t.items()} for k, t in tables.items()}
-    async with _Running(cfg.stack_config("off", cfg.out_dir / "logs" / f"oracle-r{rep}", planner=False)) as stack:
+    async with RunningStack(cfg.stack_config("off", cfg.out_dir / "logs" / f"oracle-r{rep}", planner=False)) as stack:
         await warm_up(stack, cfg, bank)
         for k, (plan, wl, texts) in enumerate(zip(cfg.workloads, workloads, prompts)):
             table = tables[plan.spec]
@@ -455,7 +455,7 @@ async def _one_policy(cmp: Comparison, cfg: CompareConfig, policy: str, rep: int
                       workloads: list[Workload], prompts: list[list[str]], log) -> None:
     t0 = time.monotonic()
     safe = policy.replace(":", "_").replace(",", "_").replace("=", "-") + (f"-r{rep}" if rep else "")
-    async with _Running(cfg.stack_config(policy, cfg.out_dir / "logs" / safe)) as stack:
+    async with RunningStack(cfg.stack_config(policy, cfg.out_dir / "logs" / safe)) as stack:
         cmp.stack_start_s[f"{policy}#{rep}"] = time.monotonic() - t0
         await warm_up(stack, cfg, bank)
         for plan, wl, texts in zip(cfg.workloads, workloads, prompts):

@@ -260,11 +260,11 @@ def markdown_runs(runs: list[dict]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in runs:
         e = r.get("engine") or {}
-        t, i, l = r["ttft_s"], r["itl_s"], r["e2e_s"]
+        t, i, e2e = r["ttft_s"], r["itl_s"], r["e2e_s"]
         lines.append(
             f"| {r['workload']} | {r['policy']} | {r.get('repeat', 0) + 1} | {r['ok']}/{r['sent']} | {_f(r['tokens_per_s'], 1)} | {_f(r['requests_per_s'], 3)} "
             f"| {_f(t['mean'])} / {_f(t['p50'])} / {_f(t['p99'])} | {_f(i['mean'], 0, 1e3)} / {_f(i['p50'], 0, 1e3)} / {_f(i['p99'], 0, 1e3)} "
-            f"| {_f(l['mean'])} / {_f(l['p50'])} / {_f(l['p99'])} | {e.get('gamma_switches', '–')} | {e.get('offloads', '–')} "
+            f"| {_f(e2e['mean'])} / {_f(e2e['p50'])} / {_f(e2e['p99'])} | {e.get('gamma_switches', '–')} | {e.get('offloads', '–')} "
             f"| {_f(e.get('acceptance'))} | {_f(e.get('mean_batch'), 1)} | {_f(r.get('loadavg_1m'), 1)} "
             f"| {_f(r.get('speed_probe_ms'), 1)} |")
     return "\n".join(lines)
