@@ -231,6 +231,7 @@ class KeepPublished:
         self.stack, self.gamma, self.table, self.name, self.every_s = stack, gamma, table, name, every_s
         self.version = first_version
         self._task: asyncio.Task | None = None
+        self._stopped = False
 
     async def __aenter__(self) -> "KeepPublished":
         await self._publish()
@@ -239,21 +240,23 @@ class KeepPublished:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        # The flag as well as the cancel: a cancel that lands while redis-py is mid-command can be
+        # swallowed there, and the loop then slept on with its task "cancelling" for good (a
+        # 12-round bench hung in this await for minutes).
+        self._stopped = True
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await asyncio.wait({self._task}, timeout=self.every_s + 5.0)
 
     async def _publish(self) -> None:
         self.version += 1
         await _publish(self.stack, self.gamma, self.version, table=self.table, name=self.name)
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopped:
             await asyncio.sleep(self.every_s)
-            await self._publish()
+            if not self._stopped:
+                await self._publish()
 
 
 async def probe_gamma(stack: Stack, cfg: CompareConfig, bank: PromptBank, gamma_max: int) -> dict:
