@@ -150,13 +150,20 @@ class _Curve:
 
 
 class _PerBatch(_Curve):
-    """r(B): running means per batch size, any sign; linear between the sizes seen, flat beyond."""
+    """r(B): running means per batch size, linear between the sizes seen, flat beyond.
+
+    The means take residuals of either sign and the value is bounded at 0 where it is read, not
+    where it is learned: bounding each residual at 0 biased the mean up by the noise's positive
+    half, v(n) then learned the step minus that, the next residuals came out larger, and where
+    one γ is played at a batch (so nothing else pins the split) r(B) ratcheted up step by step
+    (BENCHMARKS.md, the live planner, fifth session)."""
 
     def value(self, x: int) -> float:
         """r at one batch size; the cell itself once seen (the cheap path, every step)."""
         x = 1 if x < 1 else self.top if x > self.top else x
         if self.weight[x] > 0:
-            return self.mean[x]
+            mean = self.mean[x]
+            return mean if mean > 0.0 else 0.0
         return 0.0 if not self.xs else float(self.predict(np.array([float(x)]))[0])
 
     def predict(self, x: np.ndarray, x_min: float | None = None, x_max: float | None = None,
@@ -164,7 +171,8 @@ class _PerBatch(_Curve):
         if not self.xs:  # (no extrapolation here, so x's extremes are not needed)
             return np.zeros_like(np.asarray(x, dtype=float))
         if self._fit is None:
-            self._fit = self._points()
+            xp, fp = self._points()
+            self._fit = xp, np.maximum(fp, 0.0)
         xp, fp = self._fit
         return np.interp(x, xp, fp)
 
@@ -214,13 +222,12 @@ class StepCostModel:
     def _observe_verify(self, batch_size: int, n: int, verify_ms: float) -> None:
         verify, per_seq = self.verify, self.per_seq
         cell = n if n < verify.top else verify.top
-        # Both parts are times, so neither goes below 0. Without that bound the split between
+        # Both parts are times, so neither is read below 0. Without that bound the split between
         # them is free wherever one γ is played at a few batch sizes (n and B move together), and
         # a live stack's noisy, prefill-laden steps walked it apart into negative predicted step
-        # times (BENCHMARKS.md, the live planner).
+        # times (BENCHMARKS.md, the live planner). r's bound applies where it is read (_PerBatch).
         if verify.weight[cell] > 0:  # r learns what v(n) leaves unexplained ...
-            residual = verify_ms - verify.mean[cell]
-            per_seq.observe(batch_size, residual if residual > 0.0 else 0.0)
+            per_seq.observe(batch_size, verify_ms - verify.mean[cell])
         rest = verify_ms - per_seq.value(batch_size)
         verify.observe(n, rest if rest > 0.0 else 0.0)  # ... and v what r does
 

@@ -46,7 +46,7 @@ def _reference_per_batch(model: StepCostModel, x: np.ndarray) -> np.ndarray:
     xp = np.flatnonzero(weight)
     if len(xp) == 0:
         return np.zeros_like(x)
-    return np.interp(x, xp, np.array(model.per_seq.mean)[xp])
+    return np.interp(x, xp, np.maximum(np.array(model.per_seq.mean)[xp], 0.0))
 
 
 def _reference_step_ms(model: StepCostModel, sizes: np.ndarray, gamma_max: int) -> np.ndarray:

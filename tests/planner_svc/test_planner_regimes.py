@@ -167,7 +167,8 @@ def test_live_steps_keep_the_cost_model_sane():
         if policy.cost.ready and i % 10 == 0:
             step = policy.cost.step_ms(np.array([44.0]), 4)[0]  # [γ+1] ms
             assert step.min() > 0 and np.all(np.diff(step) > 0), (i, step)
-    assert min(policy.cost.per_seq.mean[x] for x in policy.cost.per_seq.xs) >= 0
+    r = policy.cost.per_seq
+    assert min(r.predict(np.arange(1.0, 65.0))) >= 0 and min(r.value(b) for b in range(1, 65)) >= 0
 
 
 def replay(recording: str) -> list[tuple[int, int]]:

@@ -104,6 +104,30 @@ def test_step_cost_model_shares_verify_cost_across_arms():
     assert roof(32) <= high <= roof(32) * 2 + 1e-9
 
 
+def test_one_gamma_played_at_a_batch_with_noisy_steps_does_not_ratchet_the_per_batch_term():
+    # Live, a bucket played γ = 2 at batch 16 for minutes; r(16) climbed to 7-10 ms (about 3
+    # where probes' steps put it), so every arm there carried a few ms too many and γ = 0, with
+    # the fewest tokens per step, looked 30% dearer than it ran. The cause was a bound at 0 on
+    # each residual r learned from. Here the truth is known: verify = 8 + 0.45·n + 0.2·B.
+    import random
+
+    def truth(b: int, g: int) -> tuple[float, float]:  # (verify, draft) ms
+        return 8 + 0.45 * b * (g + 1) + 0.2 * b, g * (1.5 + 0.25 * b)
+
+    rng, model = random.Random(1), StepCostModel()
+    for i in range(20_000):
+        if i < 600:  # a cold start tries every arm at a few batch sizes
+            b, g = rng.choice([1, 2, 4, 8, 16]), rng.randrange(5)
+        else:  # then γ = 2 at batch 16, with a probe of γ = 0 or 1 one step in fifty
+            b, g = (16, 2) if rng.random() > 0.02 else (16, rng.choice([0, 1]))
+        verify, draft = truth(b, g)
+        model.observe(b, g, draft * rng.uniform(0.65, 1.35), verify * rng.uniform(0.65, 1.35))
+    predicted = model.step_ms(np.array([16.0]), 4)[0]  # [γ+1]
+    true = np.array([sum(truth(16, g)) for g in range(5)])
+    assert np.all(np.abs(predicted[:3] / true[:3] - 1) < 0.03), predicted / true  # was 1.057 for γ = 0
+    assert 0 <= model.per_seq.value(16) < 2 * 0.2 * 16  # was 10.6 ms against 3.2 true
+
+
 def test_nightjar_state_round_trips_through_msgpack():
     policy = make_policy("nightjar", gamma_max=4, seed=3)
     for i in range(500):
