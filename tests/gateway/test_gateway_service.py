@@ -5,6 +5,7 @@ playing the back end: it reads jobs from the requests stream and writes output c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -13,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.server import Gateway
 from nightjar.keys import Keys
-from nightjar.messages import Cancel, Job, OutputChunk
+from nightjar.messages import Cancel, OutputChunk
 from nightjar.service_util import connect_redis
 from nightjar.v1 import inference_pb2 as pb
 from nightjar.v1 import inference_pb2_grpc as pb_grpc
@@ -130,13 +131,38 @@ async def test_drain_finishes_running_streams_and_refuses_new_ones(rig):
     await drain
 
 
-async def test_unavailable_fast_while_redis_is_down_and_back_after(key_prefix):
+async def served_once(stub, redis_url: str, key_prefix: str) -> None:
+    """One 1-token request through the gateway, answered as a worker would: it must be queued."""
+    task = asyncio.create_task(collect(stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=1))))
+    r = connect_redis(redis_url)
+    try:
+        job = await take_job(r, Keys(key_prefix))
+        await r.xadd(Keys(key_prefix).output(job.request_id),
+                     {b"c": OutputChunk(job.request_id, 0, (9,), finish_reason="length").encode()})
+        assert (await task)[0] == [9]
+    finally:
+        await r.aclose()
+
+
+@contextlib.asynccontextmanager
+async def gateway_on_own_redis(key_prefix: str, **kw):
+    """(Redis server, gateway, channel): a gateway on a Redis of its own, which the test may stop
+    and start; all three stopped after."""
     server = EmbeddedRedis(port=free_port()).start()
-    gw = Gateway(config(server.url, key_prefix), tokenizer=tokenizer(pair()[0]))
+    gw = Gateway(config(server.url, key_prefix, **kw), tokenizer=tokenizer(pair()[0]))
     await gw.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}")
-    stub = pb_grpc.InferenceServiceStub(channel)
     try:
+        yield server, gw, channel
+    finally:
+        await channel.close()
+        await gw.drain_and_stop()
+        server.stop()
+
+
+async def test_unavailable_fast_while_redis_is_down_and_back_after(key_prefix):
+    async with gateway_on_own_redis(key_prefix) as (server, _, channel):
+        stub = pb_grpc.InferenceServiceStub(channel)
         server.stop()
         await asyncio.sleep(0.5)  # a few health polls
         t0 = time.monotonic()
@@ -150,51 +176,21 @@ async def test_unavailable_fast_while_redis_is_down_and_back_after(key_prefix):
             if (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING:
                 break
             await asyncio.sleep(0.1)
-        task = asyncio.create_task(collect(stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=1))))
-        r = connect_redis(server.url)
-        keys = Keys(key_prefix)
-        for _ in range(100):
-            entries = await r.xrange(keys.requests)
-            if entries:
-                break
-            await asyncio.sleep(0.02)
-        job = Job.decode(entries[0][1][b"job"])
-        await r.xadd(keys.output(job.request_id), {b"c": OutputChunk(job.request_id, 0, (9,), finish_reason="length").encode()})
-        assert (await task)[0] == [9]
-        await r.aclose()
-    finally:
-        await channel.close()
-        await gw.drain_and_stop()
-        server.stop()
+        await served_once(stub, server.url, key_prefix)
 
 
 async def test_a_request_right_after_redis_returns_is_served_before_the_next_poll(key_prefix):
     """The health poll said "unreachable" and its next turn is up to a second away: a request
     that arrives as Redis comes back is admitted (the gateway asks Redis again), not refused
     for the poll's stale answer."""
-    server = EmbeddedRedis(port=free_port()).start()
-    gw = Gateway(config(server.url, key_prefix, health_interval_s=1.0), tokenizer=tokenizer(pair()[0]))
-    await gw.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}")
-    stub = pb_grpc.InferenceServiceStub(channel)
-    try:
+    async with gateway_on_own_redis(key_prefix, health_interval_s=1.0) as (server, gw, channel):
         server.stop()
         deadline = time.monotonic() + 5
         while gw.table.redis_ok:
             assert time.monotonic() < deadline, "the poll never noticed Redis was gone"
             await asyncio.sleep(0.01)
         server.start()  # same port, well before the poll's next turn
-        task = asyncio.create_task(collect(stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=1))))
-        r = connect_redis(server.url)
-        job = await take_job(r, Keys(key_prefix))
-        await r.xadd(Keys(key_prefix).output(job.request_id),
-                     {b"c": OutputChunk(job.request_id, 0, (9,), finish_reason="length").encode()})
-        assert (await task)[0] == [9]
-        await r.aclose()
-    finally:
-        await channel.close()
-        await gw.drain_and_stop()
-        server.stop()
+        await served_once(pb_grpc.InferenceServiceStub(channel), server.url, key_prefix)
 
 
 async def test_the_deadline_travels_as_the_budget_left(rig):
