@@ -59,11 +59,10 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
     cfg = CompareConfig(policies=("nightjar",), workloads=(WorkloadPlan(f"closed:{clients[0]}", a.seconds),), out_dir=out,
                         kv_budget_bytes=a.kv_budget_bytes, progress=False, seed=a.seed)
     bank, rows, version = PromptBank(), [], 0
-    first = RunningStack(cfg.stack_config("off", out / "logs" / "static", planner=False) if a.static_first
-                     else cfg.stack_config("nightjar", out / "logs" / "nightjar"))
-    second = RunningStack(cfg.stack_config("nightjar", out / "logs" / "nightjar") if a.static_first
-                      else cfg.stack_config("off", out / "logs" / "static", planner=False))
-    async with first as one, second as two:
+    learner_cfg = cfg.stack_config("nightjar", out / "logs" / "nightjar")
+    static_cfg = cfg.stack_config("off", out / "logs" / "static", planner=False)
+    first, second = (static_cfg, learner_cfg) if a.static_first else (learner_cfg, static_cfg)
+    async with RunningStack(first) as one, RunningStack(second) as two:
         learner, static = (two, one) if a.static_first else (one, two)
         for stack in (learner, static):
             await warm_up(stack, cfg, bank)
@@ -135,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="consecutive rounds pooled into one repeat's ratio: short rounds interleave the "
                         "policies more finely against the machine's drift (BENCHMARKS.md, the live planner)")
     p.add_argument("--static-first", action="store_true",
-                   help="start the planner-less stack first (the learner stack's steps ran ~5%% slower when it started "
-                        "first: BENCHMARKS.md, the live planner, fourth session)")
+                   help="start the planner-less stack first (the stack started first ran the same steps ~5%% slower: "
+                        "BENCHMARKS.md, the live planner, fourth and fifth sessions)")
     p.add_argument("--kv-budget-bytes", type=int, default=256 << 20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)

@@ -180,10 +180,10 @@ async def run_on_stack(stack: Stack, workload: Workload, prompts: list[str], cfg
         await probe.close()
 
 
-
 async def warm_up(stack: Stack, cfg: CompareConfig, bank: PromptBank) -> None:
     """Two short requests, uncounted: the first steps of a fresh stack load and compile."""
     await run_on_stack(stack, _fixed_workload(2, 16, 8), [bank.text(16, np.random.default_rng(1))] * 2, _quiet(cfg), "warmup")
+
 
 async def wait_idle(stack: Stack, timeout_s: float = 30.0) -> bool:
     """Until every worker reports nothing running or waiting (the previous run's stragglers)."""
