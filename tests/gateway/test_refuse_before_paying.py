@@ -23,7 +23,7 @@ from tests.gateway.conftest import Rig, collect, config
 
 HUGE = "a" * 1_000_000
 BURST = 20
-LIMIT_S = 0.2
+LIMIT_S = 0.2  # the bound on a quiet machine; a slow minute raises it (see _stall_bound)
 
 
 def test_the_byte_cap_bounds_every_token_of_the_shipped_tokenizer():
@@ -118,10 +118,20 @@ async def test_a_burst_of_huge_prompts_does_not_stall_the_running_stream_or_heal
     codes, replies = results[:BURST], results[BURST:]
     assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * BURST
     assert all(r.status_code in (400, 413) for r in replies), [r.status_code for r in replies]
+    bound = _stall_bound(tokenizer(pair()[0]))
     during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b >= burst_start and a <= burst_end + 0.3]
     assert len(during) >= 3, "the stream produced too few tokens during the burst to judge"
-    assert max(during) < LIMIT_S, f"largest inter-token gap during the burst: {max(during) * 1000:.0f} ms"
-    assert latencies and max(latencies) < LIMIT_S, f"slowest Health.Check: {max(latencies) * 1000:.0f} ms"
+    assert max(during) < bound, f"largest inter-token gap during the burst: {max(during) * 1000:.0f} ms (bound {bound * 1000:.0f})"
+    assert latencies and max(latencies) < bound, f"slowest Health.Check: {max(latencies) * 1000:.0f} ms (bound {bound * 1000:.0f})"
+
+
+def _stall_bound(tok) -> float:
+    """What the test guards against is one huge prompt tokenized on the gateway's event loop: that
+    stalls the stream and the health check for as long as the tokenizing takes. Timed here, right
+    after the burst, so that a slow minute of a shared machine slows the bound with the gaps."""
+    t0 = time.perf_counter()
+    tok(HUGE)
+    return max(LIMIT_S, 0.8 * (time.perf_counter() - t0))
 
 
 async def _read_until(stream, arrivals: list[float], burst) -> None:
