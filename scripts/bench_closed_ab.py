@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from nightjar_tools.bench import report  # noqa: E402
 from nightjar_tools.bench.compare import (CompareConfig, KeepPublished, WorkloadPlan, RunningStack,  # noqa: E402
                                           run_on_stack, speed_probe_ms, wait_idle, warm_up)
+from nightjar_tools.bench.probe import recording  # noqa: E402
 from nightjar_tools.bench.workload import PromptBank, build  # noqa: E402
 
 
@@ -78,7 +79,11 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
                     speed = speed_probe_ms()
                     cpu0 = cpu_seconds(stack)
                     if policy == "nightjar":
-                        result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | closed:{c}")
+                        seen: list = []
+                        result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | closed:{c}", steps_into=seen)
+                        if a.record:
+                            (out / f"steps_closed{c}_round{rnd}.json").write_text(json.dumps(recording(
+                                seen, f"bench_closed_ab nightjar, closed:{c}, round {rnd}, started {result.started_unix:.3f}")))
                     else:
                         version += 100_000
                         async with KeepPublished(stack, gamma_of(policy), name=policy, first_version=version):
@@ -130,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=30.0, help="counted seconds per run, after the warm-up")
     p.add_argument("--warmup-s", type=float, default=10.0, help="uncounted seconds at the start of each run")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--record", action="store_true",
+                   help="also save each nightjar run's engine steps (steps_closedC_roundR.json, replay format)")
     p.add_argument("--rounds-per-repeat", type=int, default=1,
                    help="consecutive rounds pooled into one repeat's ratio: short rounds interleave the "
                         "policies more finely against the machine's drift (BENCHMARKS.md, the live planner)")

@@ -20,30 +20,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from nightjar_tools.bench.compare import CompareConfig, WorkloadPlan, RunningStack, run_on_stack, warm_up  # noqa: E402
-from nightjar_tools.bench.probe import StackProbe  # noqa: E402
+from nightjar_tools.bench.probe import recording  # noqa: E402
 from nightjar_tools.bench.workload import PromptBank, build  # noqa: E402
-
-FIELDS = ("batch_size", "gamma", "draft_ms", "verify_ms", "accepted_per_position", "emitted_tokens", "prefill_tokens",
-          "catchup_tokens", "catchup_ms", "kv_blocks_used", "kv_blocks_free", "waiting")
 
 
 async def record(a: argparse.Namespace) -> dict:
     logs = a.out.with_suffix("").with_name(a.out.stem + "_logs")
     cfg = CompareConfig(policies=("nightjar",), workloads=(WorkloadPlan(f"closed:{a.clients}", a.seconds),), out_dir=logs,
                         kv_budget_bytes=a.kv_budget_bytes, progress=False, seed=0)
-    bank = PromptBank()
+    bank, steps = PromptBank(), []
     async with RunningStack(cfg.stack_config("nightjar", logs)) as stack:
         await warm_up(stack, cfg, bank)
         wl = build(f"closed:{a.clients}", 1.0, a.seconds, seed=0, scale=cfg.scale)
-        probe = StackProbe(stack.redis_url, stack.cfg.key_prefix)
-        await probe.start()
-        _, summary = await run_on_stack(stack, wl, bank.texts(wl, 0), cfg, "record")
-        await probe.read_steps()
-        await probe.close()
-    rows = [[list(getattr(s, f)) if f == "accepted_per_position" else getattr(s, f) for f in FIELDS] for s in probe.steps]
+        _, summary = await run_on_stack(stack, wl, bank.texts(wl, 0), cfg, "record", steps_into=steps)
     print({k: v for k, v in summary.items() if k != "cells"}, file=sys.stderr)
-    return {"source": f"live nightjar stack, closed:{a.clients} for {a.seconds:g} s after 10 s of warm-up, serving pair",
-            "fields": list(FIELDS), "rows": rows}
+    return recording(steps, f"live nightjar stack, closed:{a.clients} for {a.seconds:g} s after 10 s of warm-up, serving pair")
 
 
 def main(argv: list[str] | None = None) -> int:

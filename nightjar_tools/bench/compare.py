@@ -24,7 +24,7 @@ from nightjar_tools.bench.loadgen import LoadConfig, LoadResult, model_info, run
 from nightjar_tools.bench.probe import StackProbe, summarize_steps
 from nightjar_tools.bench.workload import LengthScale, PromptBank, Workload, build
 from nightjar.keys import Keys
-from nightjar.messages import Policy
+from nightjar.messages import Policy, StepStats
 from nightjar.service_util import connect_redis, write_and_publish
 from nightjar_tools.stack import Stack, StackConfig
 from planner_svc.config import PlannerConfig
@@ -167,7 +167,9 @@ def resolve_policy(spec: str, fixed_gamma: int) -> str:
 # --------------------------------------------------------------------------- one run
 
 
-async def run_on_stack(stack: Stack, workload: Workload, prompts: list[str], cfg: CompareConfig, label: str) -> tuple[LoadResult, dict]:
+async def run_on_stack(stack: Stack, workload: Workload, prompts: list[str], cfg: CompareConfig, label: str,
+                       steps_into: list[StepStats] | None = None) -> tuple[LoadResult, dict]:
+    """The workload's result and its steps' summary; ``steps_into`` also receives every step."""
     probe = StackProbe(stack.redis_url, stack.cfg.key_prefix)
     try:
         await probe.start()
@@ -175,6 +177,8 @@ async def run_on_stack(stack: Stack, workload: Workload, prompts: list[str], cfg
                               seed=cfg.seed, progress=cfg.progress, label=label)
         result = await run_load(workload, prompts, load_cfg, probe=probe)
         await probe.read_steps()
+        if steps_into is not None:
+            steps_into.extend(probe.steps)
         return result, summarize_steps(probe.steps, (result.started_unix + workload.warmup_s) * 1000)
     finally:
         await probe.close()

@@ -95,6 +95,21 @@ def _majority(values: list[str]) -> str:
     return Counter(values).most_common(1)[0][0] if values else "none"
 
 
+RECORDING_FIELDS = ("batch_size", "gamma", "draft_ms", "verify_ms", "accepted_per_position", "emitted_tokens",
+                    "prefill_tokens", "catchup_tokens", "catchup_ms", "kv_blocks_used", "kv_blocks_free", "waiting")
+
+
+def recording(steps: list[StepStats], source: str) -> dict:
+    """Steps in the planner tests' replay format ({"source", "fields", "rows"}; ``replay`` in
+    tests/planner_svc/test_planner_regimes.py feeds one to a policy), plus each step's stamp,
+    worker and draft residency."""
+    rows = [[list(s.accepted_per_position) if f == "accepted_per_position" else getattr(s, f) for f in RECORDING_FIELDS]
+            for s in steps]
+    return {"source": source, "fields": list(RECORDING_FIELDS), "rows": rows,
+            "unix_ms": [s.unix_ms for s in steps], "worker_id": [s.worker_id for s in steps],
+            "draft_residency": [s.draft_residency for s in steps]}
+
+
 def summarize_steps(steps: list[StepStats], since_unix_ms: float = 0.0) -> dict:
     """Per-run totals from the engine's step statistics (pure; ``steps`` in stream order), over
     the steps from ``since_unix_ms`` on (a closed loop's warm-up is left out)."""
