@@ -71,6 +71,16 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
             wl = build(f"closed:{c}", 1.0, a.seconds, seed=a.seed, scale=cfg.scale)
             wl = dataclasses.replace(wl, warmup_s=a.warmup_s, duration_s=a.warmup_s + a.seconds)
             texts = bank.texts(wl, a.seed)
+            if a.settle_s > 0:  # the learner's first minute at this load, uncounted (reported)
+                await wait_idle(learner)
+                settle = dataclasses.replace(wl, warmup_s=0.0, duration_s=a.settle_s)
+                seen: list = []
+                result, steps = await run_on_stack(learner, settle, texts, cfg, f"settle | closed:{c}", steps_into=seen)
+                r = report.summarize(result, steps, warmup_s=0.0)
+                print(f"closed:{c} settle, {a.settle_s:g} s uncounted: nightjar {r['tokens_per_s']:.1f} tok/s, "
+                      f"{steps['gamma_switches']} switches / {steps['steps']} steps", file=sys.stderr, flush=True)
+                if a.record:
+                    (out / f"steps_closed{c}_settle.json").write_text(json.dumps(recording(seen, f"bench_closed_ab settle, closed:{c}")))
             for rnd in range(a.rounds):
                 order = ["nightjar", *statics]
                 for policy in order if rnd % 2 == 0 else order[::-1]:
@@ -104,25 +114,32 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
 
 def table(rows: list[dict], statics: list[str], per: int = 1) -> str:
     """One row per client count; a repeat pools ``per`` consecutive rounds (tokens/s averaged).
-    Where two static policies tie, the per-repeat best is the luckier of two noisy runs, which
-    biases that ratio low; the ratio of run means beside it does not have that bias."""
+    Three measures of nightjar against the best static policy: paired per repeat with the policy
+    whose run mean is highest; paired per repeat with whichever static was best in that repeat
+    (where statics tie this is the luckiest of several noisy runs, a bias against nightjar); and
+    the ratio of run means."""
     lines = ["| clients | " + " | ".join(f"`{p}`" for p in statics) + " | `nightjar` | ÷ best static, per repeat (median) "
-             "| ÷ best static's mean | switches / 1,000 steps | nightjar planner CPU, % of a core |", "|---:|" + "---:|" * (len(statics) + 5)]
+             "| ÷ each repeat's best (median) | ÷ best static's mean | switches / 1,000 steps | planner CPU, % of a core |",
+             "|---:|" + "---:|" * (len(statics) + 6)]
     for c in dict.fromkeys(r["clients"] for r in rows):
         at = [r for r in rows if r["clients"] == c]
         mean = {p: statistics.mean(r["tokens_per_s"] for r in at if r["policy"] == p) for p in [*statics, "nightjar"]}
-        ratios = []
+        best = max(statics, key=mean.__getitem__)
+        paired, luckiest = [], []
         for rep in sorted({r["round"] // per for r in at}):
-            tps = {p: [r["tokens_per_s"] for r in at if r["round"] // per == rep and r["policy"] == p]
-                   for p in [*statics, "nightjar"]}
-            if all(len(v) == per for v in tps.values()):
-                ratios.append(statistics.mean(tps["nightjar"]) / max(statistics.mean(tps[p]) for p in statics))
+            tps = {p: statistics.mean(v) for p in [*statics, "nightjar"]
+                   if len(v := [r["tokens_per_s"] for r in at if r["round"] // per == rep and r["policy"] == p]) == per}
+            if len(tps) == len(statics) + 1:
+                paired.append(tps["nightjar"] / tps[best])
+                luckiest.append(tps["nightjar"] / max(tps[p] for p in statics))
         nj = [r for r in at if r["policy"] == "nightjar"]
         switches = 1000 * sum(r["gamma_switches"] for r in nj) / max(sum(r["steps"] for r in nj), 1)
         planner = 100 * sum(r["cpu_s"].get("planner", 0.0) for r in nj) / max(sum(r["wall_s"] for r in nj), 1e-9)
-        median = f" (**{statistics.median(ratios):.3f}**)" if ratios else ""
+
+        def listed(xs: list[float]) -> str:
+            return ", ".join(f"{x:.3f}" for x in xs) + (f" (**{statistics.median(xs):.3f}**)" if xs else "")
         lines.append(f"| {c} | " + " | ".join(f"{mean[p]:.0f}" for p in statics) + f" | {mean['nightjar']:.0f} | "
-                     + ", ".join(f"{x:.3f}" for x in ratios) + f"{median} | {mean['nightjar'] / max(mean[p] for p in statics):.3f} "
+                     f"{listed(paired)} vs `{best}` | {listed(luckiest)} | {mean['nightjar'] / mean[best]:.3f} "
                      f"| {switches:.1f} | {planner:.0f} |")
     return "\n".join(lines)
 
@@ -135,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=30.0, help="counted seconds per run, after the warm-up")
     p.add_argument("--warmup-s", type=float, default=10.0, help="uncounted seconds at the start of each run")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--settle-s", type=float, default=0.0,
+                   help="before each client count's rounds, run nightjar alone this long, uncounted: steady "
+                        "load starts after the cold planner's learning (how long that takes is [headline]'s learning row)")
     p.add_argument("--record", action="store_true",
                    help="also save each nightjar run's engine steps (steps_closedC_roundR.json, replay format)")
     p.add_argument("--rounds-per-repeat", type=int, default=1,
