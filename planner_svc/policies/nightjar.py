@@ -37,6 +37,11 @@ class NightjarSettings:
     # first step at batch 1 must not price γ>0 out of ever being probed again (at γ=0 no
     # acceptance is observed, so a low estimate would never be corrected).
     probe_optimism: float = 2.0
+    # ... and with its step time this share lower, over √(1 + the arm's recent plays here): a
+    # shared machine drifts by more than arms differ, so an arm last measured in a slow minute
+    # would otherwise stay overpriced while the others are re-measured every step.
+    probe_cost_optimism: float = 0.15
+    verify_plays: float = 4.0  # switch only to an arm with this many recent plays here, else probe it first
     min_plays: int = 8  # an arm with fewer plays in a bucket counts as uncertain
     stale_steps: int = 5000  # ... and so does one not played for this many bucket steps
     switch_margin: float = 0.03  # hysteresis: switch only for a predicted gain above 3% (live noise flips 1%)
@@ -59,16 +64,16 @@ class NightjarSettings:
     def __post_init__(self) -> None:
         if not 1 <= self.bin_base <= self.bin_max:
             raise ValueError(f"need 1 <= bin_base <= bin_max, got {self.bin_base}, {self.bin_max}")
-        if (self.bins_per_block < 1 or self.min_plays < 0 or self.stale_steps < 1 or self.prior_block < 0
+        if (self.bins_per_block < 1 or self.min_plays < 0 or self.verify_plays < 0 or self.stale_steps < 1 or self.prior_block < 0
                 or self.change_min_tokens < 0):
-            raise ValueError("bins_per_block and stale_steps must be >= 1; min_plays, prior_block, change_min_tokens >= 0")
+            raise ValueError("bins_per_block and stale_steps must be >= 1; min_plays, verify_plays, prior_block, change_min_tokens >= 0")
         if not 0 <= self.epsilon_min <= self.epsilon0 <= 1:
             raise ValueError("need 0 <= epsilon_min <= epsilon0 <= 1")
         if not 0 < self.probe_budget <= 1:
             raise ValueError(f"probe_budget must be in (0, 1], got {self.probe_budget}")
         if (min(self.probe_margin, self.probe_optimism, self.switch_margin, self.table_margin, self.rare_table_margin) < 0
-                or self.change_tolerance <= 0 or self.initial_gamma < 0):
-            raise ValueError("margins must be >= 0, change_tolerance > 0, initial_gamma >= 0")
+                or self.change_tolerance <= 0 or self.initial_gamma < 0 or not 0 <= self.probe_cost_optimism < 1):
+            raise ValueError("margins must be >= 0, change_tolerance > 0, initial_gamma >= 0, 0 <= probe_cost_optimism < 1")
 
 
 class _Timeline:
@@ -164,7 +169,8 @@ class NightjarPolicy(GammaPolicy):
     uncertain arm predicted within ``probe_margin`` of the greedy one; else of a neighbour γ±1:
     at rate ε_0 one whose optimistic value beats the arm in force, at ε_min the one played least
     recently. Probes value arms optimistically: acceptance ``probe_optimism`` standard errors up,
-    and the step model's optimistic extrapolation. A probe whose predicted extra time (its excess
+    the step model's optimistic extrapolation, and a step time ``probe_cost_optimism``/√(1 + n)
+    lower for an arm with n recent plays in the bucket. A probe whose predicted extra time (its excess
     loss, plus C when it turns the draft on, or the catch-up of its own steps when it turns the
     draft off) exceeds ``probe_budget`` of the next bin's time has its probability scaled by
     (budget/extra)², because at high load its stall also delays every queued request. C =
@@ -321,11 +327,18 @@ class NightjarPolicy(GammaPolicy):
                 if abs(tl.judge_ms / tl.judge_predicted_ms - 1.0) > s.change_tolerance:
                     tl.block, tl.bin_index = 0, 0  # the world moved: explore again from the start
                 tl.judge_ms = tl.judge_predicted_ms = tl.judge_tokens = 0.0
-        tl.exploit_arm, tl.follows = self._follow_neighbour(tl, bucket, loss, self._exploit_choice(tl, loss))
+        choice, verify = self._exploit_choice(tl, loss), None
+        if choice != tl.exploit_arm and tl.recent_plays[choice] < s.verify_plays * tl.catchup_scale:
+            # Measured too long ago to switch on: on a shared machine its figure may be from a
+            # faster or slower minute than the arm in force. Probe it first; switch at the next
+            # bin end if it still wins.
+            choice, verify = tl.exploit_arm, choice
+        tl.exploit_arm, tl.follows = self._follow_neighbour(tl, bucket, loss, choice)
         # A bucket that follows a busier one plays that bucket's arm, probes included, and does
         # not probe itself: its visits are the boundary crossings, and the shared models already
         # learn from the busier bucket's steps.
-        probe = None if tl.follows is not None else self._probe_choice(tl, loss, self.losses(bucket, s.probe_optimism))
+        probe = None if tl.follows is not None else (
+            verify if verify is not None else self._probe_choice(tl, loss, self._hopeful(tl, bucket)))
         if probe is not None:
             tl.arm, tl.probing, tl.steps_left = probe, True, s.bin_base
         else:
@@ -403,8 +416,13 @@ class NightjarPolicy(GammaPolicy):
         """The bucket's visits, decayed to now."""
         return tl.recent * RECENT_DECAY ** (self.updates - tl.recent_at)
 
+    def _hopeful(self, tl: _Timeline, bucket: int) -> np.ndarray:
+        """The arms' optimistic losses (``probe_optimism``, ``probe_cost_optimism``), [γmax+1]."""
+        plays = np.asarray(tl.recent_plays) / tl.catchup_scale  # [G+1], decayed like the catch-up
+        return self.losses(bucket, self.settings.probe_optimism) * (1.0 - self.settings.probe_cost_optimism / np.sqrt(1.0 + plays))
+
     def _probe_choice(self, tl: _Timeline, loss: np.ndarray, hopeful: np.ndarray) -> int | None:
-        """``hopeful``: the arms' losses at optimistic acceptance (see ``probe_optimism``)."""
+        """``hopeful``: the arms' optimistic losses (``_hopeful``)."""
         s = self.settings
         base = tl.exploit_arm
         eps = max(s.epsilon_min, s.epsilon0 / (1 + tl.block))
@@ -412,11 +430,11 @@ class NightjarPolicy(GammaPolicy):
                      and (tl.plays[a] < s.min_plays or tl.steps - tl.last_played[a] > s.stale_steps)
                      and hopeful[a] <= loss[base] * (1.0 + s.probe_margin)]
         near = [a for a in (base - 1, base + 1) if 0 <= a <= self.gamma_max]
-        promising = [a for a in near if hopeful[a] < loss[base]]
+        promising = [a for a in range(self.gamma_max + 1) if a != base and hopeful[a] < loss[base]]
         if uncertain:
             arm = min(uncertain, key=lambda a: hopeful[a])
         elif promising:
-            # A neighbour that may beat the arm in force, on what is known of it so far, is probed
+            # An arm that may beat the arm in force, on what is known of it so far, is probed
             # at the schedule's full rate: at batch 1 a deeper γ's last acceptance position is
             # learned only from its own probes, a few trials each, and at ε_min it stayed
             # underrated (the budget below still holds the rate down where probes are dear).

@@ -81,6 +81,7 @@ class SimWorker:
         self.offload_ms, self.reload_ms = offload_ms, reload_ms
         self.pool = kv_tokens
         self.clock = 0.0
+        self.speed = 1.0  # the machine's drift now (SimConfig.drift): step times × this
         self.n = 0  # live sequences
         self.seq = np.zeros((5, max_batch), dtype=np.int64)  # rows REQ, REM, TOTAL, LAG, RESV
         self.rem, self.lag_row = self.seq[REM], self.seq[LAG]  # [max_batch] views: cheaper to slice
@@ -200,6 +201,8 @@ class SimWorker:
         # their time is part of verify_ms; the draft sees them at its next speculative step.
         if prefill_tokens:
             verify_ms += surface.prefill_ms_per_token * prefill_tokens
+        if self.speed != 1.0:
+            draft_ms, verify_ms, catchup_ms = draft_ms * self.speed, verify_ms * self.speed, catchup_ms * self.speed
         step_ms = draft_ms + verify_ms + catchup_ms
         end = now + step_ms
         self.clock = end

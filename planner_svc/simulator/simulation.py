@@ -34,6 +34,10 @@ class SimConfig:
     offload_ms: float = 80.0
     reload_ms: float = 80.0
     noise: float = 0.0  # step times × U(1 − noise, 1 + noise)
+    # A shared machine's drift: every step time × one U(1 − drift, 1 + drift) per period, the
+    # same for every arm at a time, so arms played minutes apart are measured at different speeds.
+    drift: float = 0.0
+    drift_period_ms: float = 5000.0
     alphas: tuple[float, ...] = DEFAULT_ALPHAS  # used unless the cost surface measured acceptance
     seed: int = 0
 
@@ -44,6 +48,8 @@ class SimConfig:
             raise ValueError("need kv_tokens >= 1024 (one full context), draft_kv_share >= 0, 0 <= noise < 1")
         if self.offload_ms < 0 or self.reload_ms < 0 or self.block_tokens < 1:
             raise ValueError("offload_ms, reload_ms must be >= 0 and block_tokens >= 1")
+        if not 0 <= self.drift < 1 or self.drift_period_ms <= 0:
+            raise ValueError("need 0 <= drift < 1 and drift_period_ms > 0")
 
 
 @dataclass
@@ -116,11 +122,18 @@ def simulate(trace: Trace, policy: GammaPolicy, surface: CostSurface, config: Si
     by_clock = operator.attrgetter("clock")
     for w in workers:
         w.clock = arrivals[0]
+    drift_rng = np.random.default_rng([config.seed, 1])  # its own stream: drift = 0 changes nothing else
+    period, speed_until = config.drift_period_ms, -math.inf
     while True:
         w = workers[0] if single else min(workers, key=by_clock)
         now = w.clock
         if now == math.inf:
             break
+        if config.drift and now >= speed_until:
+            speed = 1.0 + config.drift * (2.0 * drift_rng.random() - 1.0)
+            speed_until = (now // period + 1.0) * period
+            for other in workers:
+                other.speed = speed
         while nxt < total and arrivals[nxt] <= now:
             queue.append(nxt)
             nxt += 1

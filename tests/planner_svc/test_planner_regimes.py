@@ -25,16 +25,16 @@ SURFACES = Path(__file__).resolve().parents[2] / "planner_svc" / "cost_surfaces"
 STATIC = ("off", "fixed:1", "fixed:2", "fixed:3", "fixed:4")
 
 
-def closed_loop(clients: int, requests_per_client: int = 200) -> tuple[Trace, SimConfig]:
+def closed_loop(clients: int, requests_per_client: int = 200, seed: int = 1, drift: float = 0.0) -> tuple[Trace, SimConfig]:
     n = clients * requests_per_client
     trace = Trace(f"closed:{clients}", np.zeros(n), np.full(n, 32), np.full(n, 64))
-    return trace, SimConfig(gamma_max=4, max_batch=clients, noise=0.1, seed=1, kv_tokens=1 << 17)
+    return trace, SimConfig(gamma_max=4, max_batch=clients, noise=0.1, seed=seed, kv_tokens=1 << 17, drift=drift)
 
 
-def run(surface, clients: int):
-    trace, config = closed_loop(clients)
+def run(surface, clients: int, seed: int = 1, drift: float = 0.0):
+    trace, config = closed_loop(clients, seed=seed, drift=drift)
     best_static = max(simulate(trace, make_policy(p, gamma_max=4), surface, config).throughput_tps for p in STATIC)
-    rec = Recorder(make_policy("nightjar", gamma_max=4, seed=1))
+    rec = Recorder(make_policy("nightjar", gamma_max=4, seed=seed))
     result = simulate(trace, rec, surface, config)
     steady = rec.seen[len(rec.seen) // 2:]  # after warm-up
     switches = sum(a.gamma != b.gamma for a, b in zip(steady, steady[1:]))
@@ -83,6 +83,21 @@ def test_the_measured_serve_surface_speculates_at_one_client_and_not_at_64(clien
         assert (gammas == 4).mean() >= 0.8, np.bincount(gammas)
     else:
         assert (gammas == 0).mean() >= 0.9, np.bincount(gammas)
+    assert ratio >= 0.97, ratio
+    assert switches_per_1000 <= 10, switches_per_1000
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_a_drifting_machine_does_not_lock_48_clients_onto_speculation(seed):
+    # The live VM's speed moves by ±20% from minute to minute, so an arm measured in a slow spell
+    # looks dear against one measured in a fast spell. At 48 clients on the serve surface (γ = 0
+    # best by 12%) these seeds once switched to γ = 2 on such a stale figure and stayed for
+    # thousands of steps (0.90x `off`): γ = 0 was no neighbour of γ = 2, so never probed at the
+    # full rate. Now a switch is first verified by a probe, and an arm's figure counts for less
+    # in a probe's eyes the longer it goes unmeasured.
+    surface = load_table(SURFACES / "cpu_serve.json", max_batch=256)
+    ratio, switches_per_1000, gammas = run(surface, 48, seed=seed, drift=0.2)
+    assert (gammas == 0).mean() >= 0.9, np.bincount(gammas)
     assert ratio >= 0.97, ratio
     assert switches_per_1000 <= 10, switches_per_1000
 

@@ -112,6 +112,27 @@ def test_every_request_finishes_and_metrics_are_consistent():
     assert result.throughput_tps > 0 and result.p99_latency_ms >= result.mean_latency_ms
 
 
+def test_drift_moves_every_step_of_a_period_together_and_nothing_else():
+    config = SimConfig(gamma_max=GAMMA_MAX, max_batch=8, drift_period_ms=1000.0)
+    trace = Trace("together", np.zeros(8), np.full(8, 16), np.full(8, 600))  # one batch, start to end
+    steps = {}
+    for drift in (0.0, 0.3):
+        rec = Recorder(make_policy("off", gamma_max=GAMMA_MAX))
+        simulate(trace, rec, SURFACE, replace(config, drift=drift))
+        steps[drift] = rec.seen
+    calm, drifting = steps[0.0], steps[0.3]
+    assert [s.batch_size for s in calm] == [s.batch_size for s in drifting]
+    speeds: dict[int, set[float]] = {}
+    for a, b in zip(calm, drifting):
+        start = b.unix_ms - b.step_ms  # unix_ms is the step's end, whole ms
+        if abs(start - round(start / 1000) * 1000) > 2:  # clear of a period boundary
+            speeds.setdefault(int(start // 1000), set()).add(round(b.verify_ms / a.verify_ms, 6))
+    # Every step of a period scaled by one factor, within the drift's range, not the same in all.
+    assert len(speeds) >= 3 and all(len(v) == 1 for v in speeds.values()), speeds
+    factors = [next(iter(v)) for v in speeds.values()]
+    assert all(0.7 <= f <= 1.3 for f in factors) and max(factors) - min(factors) > 0.05, factors
+
+
 def test_off_beats_fixed_at_high_load_and_loses_at_low_load():
     """The cost surface encodes the premise: speculation pays memory-bound, costs compute-bound."""
     config = SimConfig(gamma_max=GAMMA_MAX, max_batch=48, kv_tokens=65536)
