@@ -566,3 +566,24 @@ def test_learning_delays_time_how_long_the_subject_trails_the_best_static_after_
     (row,) = report.learning_rows(payload)
     assert row["ratio"] == 0.5 and row["met"] is False and "median delay" in row["note"]
     assert "**missed** (median delay" in report.markdown_goals([row])
+
+
+def test_a_phase_shorter_than_the_window_is_not_judged_a_miss():
+    steady = lambda v: (lambda _t: v)  # noqa: E731
+    # 40 pieces of 3 s (the oscillation in a 120 s run), then one long phase nightjar catches up in
+    pieces = [(1.0 + (i % 2), steady(100)) for i in range(40)] + [(9.0, steady(300))]
+    fixed = _timeline(pieces[:40], per_phase=3) + _timeline(pieces[40:], per_phase=40)
+    nightjar = _timeline(pieces[:40], per_phase=3) + _timeline([(9.0, steady(290))], per_phase=40)
+    for s in nightjar[120:]:
+        s["t"] += 120.0
+    for s in fixed[120:]:
+        s["t"] += 120.0
+    delays = report.learning_delays({"nightjar": nightjar, "fixed:3": fixed}, baselines=("fixed:3",), window_s=10.0)
+    assert [d["judged"] for d in delays] == [False] * 39 + [True] and delays[-1]["delay_s"] is not None
+    payload = {"runs": [{"workload": "oscillation", "kind": "dynamic", "policy": p} for p in ("nightjar", "fixed:3")],
+               "samples": {"nightjar|oscillation": nightjar, "fixed:3|oscillation": fixed}}
+    (row,) = report.learning_rows(payload)
+    assert row["ratio"] == 1.0 and row["met"] is True and "39 phases shorter than the window not judged" in row["note"]
+    payload["samples"] = {k: v[:120] for k, v in payload["samples"].items()}  # only the short pieces
+    (row,) = report.learning_rows(payload)
+    assert row["met"] is None and row["ratio"] is None and row["note"].startswith("not judged")
