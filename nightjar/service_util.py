@@ -267,6 +267,22 @@ async def wait_for_redis(redis: aioredis.Redis, stop: asyncio.Event, log: loggin
     return False
 
 
+async def stop_tasks(tasks: list[asyncio.Task], log: logging.Logger, timeout_s: float = 5.0) -> None:
+    """Cancel a service's loops and wait for them, at most ``timeout_s``: a cancel can be
+    swallowed inside a Redis call (the redis-py bug class of redis/redis-py#2028), and a drain
+    must not wait on such a loop for good. One still running is named and left behind."""
+    for t in tasks:
+        t.cancel()
+    if not tasks:
+        return
+    done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for t in done:  # read, as gather(return_exceptions=True) would: the caller reports the one that mattered
+        if not t.cancelled():
+            t.exception()
+    if pending:
+        log.warning("%s did not stop within %.0f s of its cancel; leaving it", ", ".join(t.get_name() for t in pending), timeout_s)
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 

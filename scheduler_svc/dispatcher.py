@@ -16,7 +16,7 @@ from nightjar.deadline import RedisClock, forwarded, remaining_ms
 from nightjar.dispatch_lease import lease_entry
 from nightjar.keys import Keys
 from nightjar.messages import Heartbeat, Job, MessageError, OutputChunk
-from nightjar.service_util import REDIS_LOST_ERRORS, now_ms
+from nightjar.service_util import REDIS_LOST_ERRORS, now_ms, stop_tasks
 from nightjar.streams import dead_letter, ensure_group
 from scheduler_svc.capacity import CapacityView, ProgressView
 from scheduler_svc.config import SchedulerConfig
@@ -65,9 +65,7 @@ class Dispatcher:
         try:
             await stop.wait()
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await stop_tasks(tasks, log)
             try:  # without a scheduler, gateways queue jobs for the next one to pick up
                 await self.redis.delete(self.keys.leases)
             except REDIS_LOST_ERRORS:

@@ -102,7 +102,8 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
                     r = report.summarize(result, steps, warmup_s=wl.warmup_s)
                     rows.append({"clients": c, "round": rnd, "policy": policy, "tokens_per_s": r["tokens_per_s"],
                                  "ok": r["ok"], "sent": r["sent"], "steps": steps["steps"],
-                                 "gamma_switches": steps["gamma_switches"], "spec_step_share": steps["spec_step_share"],
+                                 "gamma_switches": steps["gamma_switches"], "load_steps": steps["load_steps"],
+                                 "load_switches": steps["load_switches"], "spec_step_share": steps["spec_step_share"],
                                  "mean_batch": steps["mean_batch"], "speed_probe_ms": speed, "unix": time.time(),
                                  "cpu_s": cpu, "wall_s": result.wall_s, "cells": steps["cells"]})
                     print(f"closed:{c} round {rnd + 1}/{a.rounds} {policy}: {r['tokens_per_s']:.1f} tok/s, "
@@ -119,7 +120,7 @@ def table(rows: list[dict], statics: list[str], per: int = 1) -> str:
     (where statics tie this is the luckiest of several noisy runs, a bias against nightjar); and
     the ratio of run means."""
     lines = ["| clients | " + " | ".join(f"`{p}`" for p in statics) + " | `nightjar` | ÷ best static, per repeat (median) "
-             "| ÷ each repeat's best (median) | ÷ best static's mean | switches / 1,000 steps | planner CPU, % of a core |",
+             "| ÷ each repeat's best (median) | ÷ best static's mean | switches / 1,000 steps under load | planner CPU, % of a core |",
              "|---:|" + "---:|" * (len(statics) + 6)]
     for c in dict.fromkeys(r["clients"] for r in rows):
         at = [r for r in rows if r["clients"] == c]
@@ -133,7 +134,8 @@ def table(rows: list[dict], statics: list[str], per: int = 1) -> str:
                 paired.append(tps["nightjar"] / tps[best])
                 luckiest.append(tps["nightjar"] / max(tps[p] for p in statics))
         nj = [r for r in at if r["policy"] == "nightjar"]
-        switches = 1000 * sum(r["gamma_switches"] for r in nj) / max(sum(r["steps"] for r in nj), 1)
+        # under load only: the final drain walks the batch down through every bucket's γ
+        switches = 1000 * sum(r.get("load_switches", r["gamma_switches"]) for r in nj) / max(sum(r.get("load_steps", r["steps"]) for r in nj), 1)
         planner = 100 * sum(r["cpu_s"].get("planner", 0.0) for r in nj) / max(sum(r["wall_s"] for r in nj), 1e-9)
 
         def listed(xs: list[float]) -> str:

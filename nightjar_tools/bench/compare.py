@@ -179,7 +179,8 @@ async def run_on_stack(stack: Stack, workload: Workload, prompts: list[str], cfg
         await probe.read_steps()
         if steps_into is not None:
             steps_into.extend(probe.steps)
-        return result, summarize_steps(probe.steps, (result.started_unix + workload.warmup_s) * 1000)
+        return result, summarize_steps(probe.steps, (result.started_unix + workload.warmup_s) * 1000,
+                                       (result.started_unix + workload.duration_s) * 1000)
     finally:
         await probe.close()
 

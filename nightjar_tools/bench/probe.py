@@ -10,6 +10,7 @@ included (``connect_redis``).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from nightjar.keys import Keys
@@ -110,11 +111,14 @@ def recording(steps: list[StepStats], source: str) -> dict:
             "draft_residency": [s.draft_residency for s in steps]}
 
 
-def summarize_steps(steps: list[StepStats], since_unix_ms: float = 0.0) -> dict:
+def summarize_steps(steps: list[StepStats], since_unix_ms: float = 0.0, load_until_unix_ms: float = math.inf) -> dict:
     """Per-run totals from the engine's step statistics (pure; ``steps`` in stream order), over
-    the steps from ``since_unix_ms`` on (a closed loop's warm-up is left out)."""
+    the steps from ``since_unix_ms`` on (a closed loop's warm-up is left out). ``load_steps`` and
+    ``load_switches`` count only the steps before ``load_until_unix_ms`` (the end of the arrival
+    window): in the drain that follows, the batch falls through every bucket and the table's
+    γ per batch size shows as switches that steady load never makes."""
     steps = [s for s in steps if s.unix_ms >= since_unix_ms]
-    out = {"steps": len(steps), "gamma_switches": 0, "offloads": 0, "reloads": 0, "acceptance": None,
+    out = {"steps": len(steps), "gamma_switches": 0, "load_steps": 0, "load_switches": 0, "offloads": 0, "reloads": 0, "acceptance": None,
            "accepted_per_step": None, "spec_step_share": 0.0, "catchup_tokens": 0, "catchup_ms": 0.0,
            "preempted": 0, "emitted_tokens": 0, "mean_batch": 0.0, "mean_step_ms": 0.0, "acceptance_alarms": 0,
            "cells": {}}
@@ -124,10 +128,13 @@ def summarize_steps(steps: list[StepStats], since_unix_ms: float = 0.0) -> dict:
     last_res: dict[str, str] = {}
     proposed = accepted = spec_steps = 0
     for s in steps:
+        loaded = s.unix_ms < load_until_unix_ms
+        out["load_steps"] += loaded
         # γ is only "in force" on steps that decode; prefill-only steps report 0 whatever the policy.
         if s.batch_size > 0:
             if s.worker_id in last_gamma and s.gamma != last_gamma[s.worker_id]:
                 out["gamma_switches"] += 1
+                out["load_switches"] += loaded
             last_gamma[s.worker_id] = s.gamma
         prev = last_res.get(s.worker_id)
         if prev is not None and prev != s.draft_residency:

@@ -286,13 +286,12 @@ class NightjarPolicy(GammaPolicy):
         tokens_per_seq = stats.kv_blocks_used * self._block_tokens / b
         self.workers_lag[stats.worker_id] = (run + 1 if g == 0 else 0, tokens_per_seq, bucket, self.updates)
         # Who pays a catch-up: after steady speculation it is the draft prefilling new prompts, a
-        # running cost of this arm; after a γ=0 run in another bucket it is that bucket's γ=0
-        # leaving the draft behind (so tables that flip across a boundary look as dear as they
-        # are); after a γ=0 run in this bucket it is this bucket's own switch, which the
-        # decision rules already price (amortised catch-up), so no arm is charged.
-        tl.observe(b, g, catchup_ms if run == 0 else 0.0)
-        if run and catchup_ms and zero_bucket != bucket:
-            self.timelines[zero_bucket].charge(0, catchup_ms)
+        # running cost of this arm; after a γ=0 run in another bucket it is this arm too, the
+        # switch having happened at this batch (a batch that dips for a step below a bucket at
+        # γ=0 and speculates there pays the whole context's catch-up each time); after a γ=0 run
+        # in this bucket it is this bucket's own switch, which the decision rules already price
+        # (amortised catch-up), so no arm is charged.
+        tl.observe(b, g, catchup_ms if run == 0 or zero_bucket != bucket else 0.0)
         steps = tl.steps = tl.steps + 1
         tl.recent = tl.recent * RECENT_DECAY ** (self.updates - tl.recent_at) + 1.0
         tl.recent_at = self.updates

@@ -154,6 +154,25 @@ def test_nightjar_ignores_malformed_stats():
     assert policy.updates == 0 and policy.table() == before
 
 
+def test_a_catch_up_is_charged_at_the_batch_where_speculation_resumed():
+    # 48 clients in lockstep: the batch sits at 48 with γ = 0, and when every request ends at
+    # once it dips for a step to 30, whose bucket speculated and paid the whole context's catch-up.
+    # That cost belongs to the dip's arm: charged to bucket 33-64's γ = 0 instead, it made the
+    # busy bucket's γ = 0 look dear and the dip kept speculating (two switches a wave).
+    policy = make_policy("nightjar", gamma_max=4)
+    busy, dip = policy._bucket_of[48], policy._bucket_of[30]
+    for _ in range(50):
+        policy.update(stats(48, 0, verify_ms=35.0))
+    policy.update(stats(30, 3, verify_ms=60.0, draft_ms=6.0, accepted=(20, 15, 10), emitted=75,
+                        catchup_ms=110.0, catchup_tokens=1200))
+    assert policy.timelines[dip].catchup_per_step()[3] > 0
+    assert policy.timelines[busy].catchup_per_step()[0] == 0
+    for _ in range(50):  # speculation since: the draft's prompt prefills are this arm's running cost
+        policy.update(stats(30, 3, verify_ms=60.0, draft_ms=6.0, accepted=(20, 15, 10), emitted=75,
+                            catchup_ms=2.0, catchup_tokens=30))
+    assert policy.timelines[busy].catchup_per_step()[0] == 0
+
+
 def _pressure(controller: ResidencyController, n: int, *, full: bool, waiting: int, batch: int = 40,
               gain: float = 0.0, offload: float = 0.1, residency: str = Residency.RESIDENT) -> None:
     for _ in range(n):

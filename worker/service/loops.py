@@ -17,7 +17,7 @@ from nightjar import metrics as m
 from nightjar.deadline import RedisClock, forwarded, remaining_ms
 from nightjar.keys import Keys
 from nightjar.messages import Cancel, Heartbeat, Job, MessageError, OutputChunk, Policy
-from nightjar.service_util import REDIS_LOST_ERRORS, REDIS_RETRY_FIRST_S, now_ms, wait_for_redis
+from nightjar.service_util import REDIS_LOST_ERRORS, REDIS_RETRY_FIRST_S, now_ms, stop_tasks, wait_for_redis
 from nightjar.streams import dead_letter, ensure_group
 from worker.host.policy_view import follow_policy
 from worker.host.process import EngineProcess
@@ -109,9 +109,7 @@ class WorkerService:
         finally:
             m.WORKER_READY.set(0)
             self._closing = True
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await stop_tasks(tasks, log)
             self.engine.stop()
             try:  # leave at once instead of waiting for the heartbeat TTL
                 await self.redis.delete(self.keys.heartbeat(self.cfg.worker_id))
