@@ -162,24 +162,25 @@ class NightjarPolicy(GammaPolicy):
     block j has ``bins_per_block`` bins of min(bin_max, bin_base·2^j) steps. Decisions happen only
     at bin ends, so γ changes at most twice per bin (probe and return). At a bin end the next bin
     exploits argmin L, switching only if the gain beats ``switch_margin`` plus the expected draft
-    catch-up C amortised over the bin's tokens, and takes the busier neighbouring bucket's γ when
-    that is within ``table_margin`` (``rare_table_margin`` where this bucket has few of the
-    neighbour's recent visits; a batch hovering at a boundary does not flip γ). With probability
-    ε_j = max(ε_min, ε_0/(1+j)) it is instead a short probe bin (bin_base steps) of the cheapest
-    uncertain arm predicted within ``probe_margin`` of the greedy one; else of a neighbour γ±1:
-    at rate ε_0 one whose optimistic value beats the arm in force, at ε_min the one played least
-    recently. Probes value arms optimistically: acceptance ``probe_optimism`` standard errors up,
-    the step model's optimistic extrapolation, and a step time ``probe_cost_optimism``/√(1 + n)
-    lower for an arm with n recent plays in the bucket. A probe whose predicted extra time (its excess
-    loss, plus C when it turns the draft on, or the catch-up of its own steps when it turns the
-    draft off) exceeds ``probe_budget`` of the next bin's time has its probability scaled by
-    (budget/extra)², because at high load its stall also delays every queued request. C =
-    measured ms per catch-up token × batch × lag, summed over workers, the lag being the γ=0
-    steps in a row each worker reports (its whole context after a long run). So at low load γ>0
-    keeps being probed and estimates keep refreshing (no deadlock at γ=0), while at high load a
-    probe after a long γ=0 run is rare. Never-visited buckets start at the model's choice, capped
-    by the next smaller bucket's γ; a bin whose observed loss misses its prediction by more than
-    ``change_tolerance`` (over at least ``change_min_tokens`` tokens of exploit bins) restarts
+    catch-up C amortised over the bin's tokens (and only to an arm with ``verify_plays`` recent
+    plays in the bucket: one measured long ago is probed first), and takes the busier neighbouring
+    bucket's γ when that is within ``table_margin`` (``rare_table_margin`` where this bucket has few
+    of the neighbour's recent visits; a batch hovering at a boundary does not flip γ). With
+    probability ε_j = max(ε_min, ε_0/(1+j)) it is instead a short probe bin (bin_base steps) of the
+    cheapest uncertain arm predicted within ``probe_margin`` of the greedy one; else, at rate ε_0,
+    of an arm whose optimistic value beats the arm in force; else, at ε_min, of the neighbour γ±1
+    played least recently. Probes value arms optimistically: acceptance ``probe_optimism`` standard
+    errors up, the step model's optimistic extrapolation, and a step time
+    ``probe_cost_optimism``/√(1 + n) lower for an arm with n recent plays in the bucket. A probe
+    whose predicted extra time (its excess loss, plus C when it turns the draft on, or the catch-up
+    of its own steps when it turns the draft off) exceeds ``probe_budget`` of the next bin's time
+    has its probability scaled by (budget/extra)², because at high load its stall also delays every
+    queued request. C = measured ms per catch-up token × batch × lag, summed over workers, the lag
+    being the γ=0 steps in a row each worker reports (its whole context after a long run). So at low
+    load γ>0 keeps being probed and estimates keep refreshing (no deadlock at γ=0), while at high
+    load a probe after a long γ=0 run is rare. Never-visited buckets start at the model's choice,
+    capped by the next smaller bucket's γ; a bin whose observed loss misses its prediction by more
+    than ``change_tolerance`` (over at least ``change_min_tokens`` tokens of exploit bins) restarts
     the bucket's schedule at block 0.
     """
 
