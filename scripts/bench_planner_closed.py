@@ -33,13 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     (where speculation stops paying on each: BENCHMARKS.md, "Serving-shaped pair and its cost
     surface"). Prints, per surface and C: each policy's tokens/s (first seed), nightjar ÷ the best
     static policy (mean and range over seeds), and nightjar's most γ switches per 1,000 steps and
-    its share of steps at γ > 0 over the second half of the run (after warm-up). ±10% step-time noise."""
+    its share of steps at γ > 0 over the second half of the run (after warm-up). ±10% step-time noise,
+    and with ``--drift`` a machine whose speed moves as a shared VM's does."""
     ap = argparse.ArgumentParser(description=__doc__, epilog=inspect.getdoc(main),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", default="1,4,16,48")
     ap.add_argument("--per-client", type=int, default=200, help="requests per client")
     ap.add_argument("--seeds", default="1", help="comma-separated simulation and policy seeds")
     ap.add_argument("--surfaces", default="cpu_tiny,cpu_serve,roofline")
+    ap.add_argument("--drift", type=float, default=0.0,
+                    help="the machine's drift: every step time × one U(1 ± DRIFT) per 5 s (SimConfig.drift)")
     a = ap.parse_args(argv)
     seeds = [int(x) for x in a.seeds.split(",")]
     print("| surface | clients | " + " | ".join(STATIC) + " | nightjar | ÷ best static | switches / 1,000 steps | γ > 0 share |")
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             trace = Trace(f"closed:{c}", np.zeros(n), np.full(n, 32), np.full(n, 64))
             ratios, switches, shares = [], [], []
             for seed in seeds:
-                cfg = SimConfig(gamma_max=4, max_batch=c, noise=0.1, seed=seed, kv_tokens=1 << 17)
+                cfg = SimConfig(gamma_max=4, max_batch=c, noise=0.1, seed=seed, kv_tokens=1 << 17, drift=a.drift)
                 tps = {p: simulate(trace, make_policy(p, gamma_max=4), surface, cfg).throughput_tps for p in STATIC}
                 policy = make_policy("nightjar", gamma_max=4, seed=seed)
                 gammas: list[int] = []

@@ -122,9 +122,6 @@ class _Timeline:
         if hist_scale > 1e9 or scale > 1e9:
             self.normalise()
 
-    def charge(self, arm: int, catchup_ms: float) -> None:
-        self.catchup[arm] += catchup_ms * self.catchup_scale
-
     def normalise(self) -> None:
         self.hist = [h / self.hist_scale for h in self.hist]
         self._support = None
