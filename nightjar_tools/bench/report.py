@@ -231,14 +231,16 @@ def learning_rows(payload: dict, horizon_s: float = 60.0) -> list[dict]:
         delays = learning_delays(timelines, baselines=baselines, horizon_s=horizon_s)
         judged = [d for d in delays if d["judged"]]
         goal = f"learning: ≥ 0.95× best static within {horizon_s:.0f} s of a load change"
-        short = f"{len(delays) - len(judged)} phases shorter than the window not judged" if len(judged) < len(delays) else ""
+        short = len(delays) - len(judged)
         if not judged:
             if delays:
                 rows.append({"goal": goal, "workload": wl, "baseline": "best static per phase", "ratio": None, "ratios": [],
-                             "target": "every change", "met": None, "note": f"not judged: all {short}"})
+                             "target": "every change", "met": None,
+                             "note": f"not judged: all {short} phases are shorter than the window"})
             continue
         reached = [d["delay_s"] for d in judged if d["delay_s"] is not None]
-        note = "; ".join(x for x in (f"median delay {statistics.median(reached):.0f} s" if reached else "", short) if x)
+        note = "; ".join(x for x in (f"median delay {statistics.median(reached):.0f} s" if reached else "",
+                                     f"{short} phases shorter than the window not judged" if short else "") if x)
         rows.append({"goal": goal, "workload": wl, "baseline": "best static per phase", "ratio": len(reached) / len(judged),
                      "ratios": [], "target": f"all {len(judged)} changes", "met": len(reached) == len(judged), "note": note})
     return rows
