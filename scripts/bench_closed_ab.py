@@ -49,6 +49,16 @@ def cpu_seconds(stack) -> dict[str, float]:
     return out
 
 
+async def run_learner(stack, wl, texts: list[str], cfg: CompareConfig, label: str, record_to: Path | None):
+    """``run_on_stack`` on the nightjar stack; with ``record_to``, its engine steps saved there
+    (replay format, ``probe.recording``)."""
+    seen: list = []
+    result, steps = await run_on_stack(stack, wl, texts, cfg, label, steps_into=seen)
+    if record_to is not None:
+        record_to.write_text(json.dumps(recording(seen, f"bench_closed_ab {label}, started {result.started_unix:.3f}")))
+    return result, steps
+
+
 async def run(a: argparse.Namespace, out: Path) -> list[dict]:
     """One stack runs the nightjar planner and stays up for the whole run, as a server does; the
     other has no planner and the bench publishes each static γ to it. Each round runs nightjar and
@@ -74,13 +84,11 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
             if a.settle_s > 0:  # the learner's first minute at this load, uncounted (reported)
                 await wait_idle(learner)
                 settle = dataclasses.replace(wl, warmup_s=0.0, duration_s=a.settle_s)
-                seen: list = []
-                result, steps = await run_on_stack(learner, settle, texts, cfg, f"settle | closed:{c}", steps_into=seen)
+                result, steps = await run_learner(learner, settle, texts, cfg, f"settle | closed:{c}",
+                                                  out / f"steps_closed{c}_settle.json" if a.record else None)
                 r = report.summarize(result, steps, warmup_s=0.0)
                 print(f"closed:{c} settle, {a.settle_s:g} s uncounted: nightjar {r['tokens_per_s']:.1f} tok/s, "
                       f"{steps['gamma_switches']} switches / {steps['steps']} steps", file=sys.stderr, flush=True)
-                if a.record:
-                    (out / f"steps_closed{c}_settle.json").write_text(json.dumps(recording(seen, f"bench_closed_ab settle, closed:{c}")))
             for rnd in range(a.rounds):
                 order = ["nightjar", *statics]
                 for policy in order if rnd % 2 == 0 else order[::-1]:
@@ -89,11 +97,8 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
                     speed = speed_probe_ms()
                     cpu0 = cpu_seconds(stack)
                     if policy == "nightjar":
-                        seen: list = []
-                        result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | closed:{c}", steps_into=seen)
-                        if a.record:
-                            (out / f"steps_closed{c}_round{rnd}.json").write_text(json.dumps(recording(
-                                seen, f"bench_closed_ab nightjar, closed:{c}, round {rnd}, started {result.started_unix:.3f}")))
+                        result, steps = await run_learner(stack, wl, texts, cfg, f"{policy} | closed:{c}",
+                                                          out / f"steps_closed{c}_round{rnd}.json" if a.record else None)
                     else:
                         version += 100_000
                         async with KeepPublished(stack, gamma_of(policy), name=policy, first_version=version):
