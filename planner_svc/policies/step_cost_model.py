@@ -1,4 +1,5 @@
-"""A fitted step-time model t(B, γ) = γ·d(B) + v(B·(γ+1)) + r(B), learned online from StepStats.
+"""A fitted step-time model t(B, γ) = d₁(B) + (γ-1)·d₊(B) + v(B·(γ+1)) + r(B) (γ ≥ 1; γ = 0 has no
+draft term), learned online from StepStats.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 class StepCostSettings:
     max_tokens: int = 2048  # largest n = B·(γ+1) tracked; beyond it, the last cell
     weight_cap: float = 64.0  # running mean becomes an EMA over ~this many observations per cell
-    draft_prior_ratio: float = 0.25  # d(B) ≈ this · v(B) until a draft pass has been observed
+    draft_prior_ratio: float = 0.25  # a draft pass ≈ this · v(B) until one has been observed
 
     def __post_init__(self) -> None:
         if self.max_tokens < 2:
@@ -179,15 +180,23 @@ class _PerBatch(_Curve):
 
 class StepCostModel:
     """The verify pass costs v(n) for n = B·(γ+1) tokens (roofline: flat while memory-bound, linear
-    once compute-bound), and the draft costs d(B) per pass, γ passes a step. Both are learned as
-    running means per n (per B for the draft) with a capped weight, i.e. a mean that turns into an
-    exponential average of the last ``cap`` observations, so old data decays as new data arrives.
-    Both curves are fitted non-decreasing (isotonic), since more tokens never cost less.
+    once compute-bound), and the draft's γ passes cost d₁(B) for the first and d₊(B) for each
+    further one. All are learned as running means per n (per B for the draft) with a capped
+    weight, i.e. a mean that turns into an exponential average of the last ``cap`` observations,
+    so old data decays as new data arrives. The curves are fitted non-decreasing (isotonic), since
+    more tokens never cost less.
     Between observed points the model interpolates linearly; beyond the observed range on either
     side it extrapolates with the slope of the nearest half of the range, clamped to [0, v/n] (flat
     = memory-bound, proportional = compute-bound: the two roofline limits). Below the range that
     errs optimistic, so an unplayed cheap arm gets probed rather than written off. Outside
     the batch sizes the draft was measured at, d(B) follows the shape of v: d(B₀)·v(B)/v(B₀).
+
+    The first draft pass costs more than each later one (it feeds up to two tokens, and on a CPU
+    it follows the target's pass, which has pushed the draft's weights out of cache), so the
+    draft's step is affine in γ, not proportional. One per-pass d(B) learned from γ = 1 priced a
+    deeper γ far too dear and held the policy at γ = 1 (BENCHMARKS.md, the live planner, seventh
+    session). So d₁(B) learns from γ = 1 steps and d₊(B) from deeper ones, net of d₁(B); before
+    a deeper pass is seen, d₊ = d₁ (pessimistic for deep γ), and before a γ = 1 step, d₁ = d₊.
 
     So a γ=0 step at B=32 (n = 32) predicts the verify cost of γ=3 at B=8 (n = 32): one
     observation teaches every arm with the same token count. No offline profiling.
@@ -205,7 +214,8 @@ class StepCostModel:
         self.settings = settings
         self.verify = _Curve(settings.max_tokens, settings.weight_cap)
         self.per_seq = _PerBatch(settings.max_tokens, settings.weight_cap)  # r(B)
-        self.draft = _Curve(settings.max_tokens, settings.weight_cap)
+        self.draft_first = _Curve(settings.max_tokens, settings.weight_cap)  # d₁(B)
+        self.draft_next = _Curve(settings.max_tokens, settings.weight_cap)  # d₊(B)
         # catch-up (switching) cost per event, as decayed sums
         self.catchup_ms_sum = 0.0
         self.catchup_tokens_sum = 0.0
@@ -216,8 +226,20 @@ class StepCostModel:
 
     def observe(self, batch_size: int, gamma: int, draft_ms: float, verify_ms: float) -> None:
         self._observe_verify(batch_size, batch_size * (gamma + 1), verify_ms)
-        if gamma > 0:
-            self.draft.observe(batch_size, draft_ms / gamma)
+        self._observe_draft(batch_size, gamma, draft_ms)
+
+    def _observe_draft(self, batch_size: int, gamma: int, draft_ms: float) -> None:
+        if gamma == 1:
+            self.draft_first.observe(batch_size, draft_ms)
+        elif gamma > 1:
+            first = self.draft_first
+            if first.empty:  # no first pass seen yet: split evenly
+                self.draft_next.observe(batch_size, draft_ms / gamma)
+                return
+            cell = batch_size if batch_size < first.top else first.top
+            d1 = first.mean[cell] if first.weight[cell] > 0 else float(first.predict(np.array([float(batch_size)]))[0])
+            rest = draft_ms - d1
+            self.draft_next.observe(batch_size, (rest if rest > 0.0 else 0.0) / (gamma - 1))
 
     def _observe_verify(self, batch_size: int, n: int, verify_ms: float) -> None:
         verify, per_seq = self.verify, self.per_seq
@@ -239,8 +261,7 @@ class StepCostModel:
         c·prefill removed.
         """
         n = batch_size * (gamma + 1)
-        if gamma > 0:
-            self.draft.observe(batch_size, draft_ms / gamma)
+        self._observe_draft(batch_size, gamma, draft_ms)
         decode_ms = self._decode_ms(batch_size, n)
         if decode_ms is not None:
             per_token = max((verify_ms - decode_ms) / prefill_tokens, 0.0)
@@ -295,36 +316,46 @@ class StepCostModel:
         range is noise, and once it overpriced γ = 0 at batch 64 so far that no probe ever tried
         it (BENCHMARKS.md, the live planner). Probes value arms optimistically."""
         b = np.asarray(batch_sizes, dtype=float)[:, None]  # [k, 1]
-        g, g1 = self._arms(gamma_max)  # [1, G+1] each: γ and γ+1
+        g1, first_pass, next_passes = self._arms(gamma_max)  # [1, G+1] each: γ+1, min(γ, 1), max(γ-1, 0)
         b_min, b_max = float(b.min()), float(b.max())
         # b·(γ+1) spans b_min·1 .. b_max·(γmax+1), the same products the array holds
         n_max = b_max * float(gamma_max + 1)
         verify = self.verify.predict(b * g1, b_min, n_max, optimistic) + self.per_seq.predict(b)  # [k, G+1]
         target = verify[:, :1]  # [k, 1] the target's pass at B tokens: the γ=0 column
-        if self.draft.empty:
-            per_pass = self.settings.draft_prior_ratio * target  # [k, 1]
-        else:
-            # Outside the batch sizes the draft was seen at, scale its nearest measurement by the
-            # target's curve: both are the same roofline shape, only the constant differs.
-            lo, hi = self.draft.bounds()
-            if lo <= b_min and b_max <= hi:  # all inside: the target there is the γ=0 column
-                inside, at_inside = b, target
-                in_min, in_max = b_min, b_max
-            else:
-                inside = np.clip(b, lo, hi)
-                in_min, in_max = min(max(b_min, lo), hi), min(max(b_max, lo), hi)
-                at_inside = self.verify.predict(inside, in_min, in_max) + self.per_seq.predict(inside)  # [k, 1]
-            per_pass = self.draft.predict(inside, in_min, in_max) * target / np.maximum(at_inside, 1e-9)
-        return verify + g * per_pass
+        if self.draft_first.empty and self.draft_next.empty:
+            first = self.settings.draft_prior_ratio * target  # [k, 1]
+            return verify + (first_pass + next_passes) * first
+        first = self._draft_pass(self.draft_first, b, b_min, b_max, target)  # [k, 1] or None
+        later = self._draft_pass(self.draft_next, b, b_min, b_max, target)
+        first = later if first is None else first
+        later = first if later is None else later
+        return verify + first_pass * first + next_passes * later
 
-    def _arms(self, gamma_max: int) -> tuple[np.ndarray, np.ndarray]:
-        """γ and γ+1 as [1, γmax+1] rows, built once (read-only: shared by every prediction)."""
+    def _draft_pass(self, curve: _Curve, b: np.ndarray, b_min: float, b_max: float,
+                    target: np.ndarray) -> np.ndarray | None:
+        """One draft curve at batch sizes b [k, 1], or None before it has a point. Outside the
+        batch sizes it was seen at, its nearest measurement is scaled by the target's curve: both
+        are the same roofline shape, only the constant differs."""
+        if curve.empty:
+            return None
+        lo, hi = curve.bounds()
+        if lo <= b_min and b_max <= hi:  # all inside: the target there is the γ=0 column
+            return curve.predict(b, b_min, b_max)
+        inside = np.clip(b, lo, hi)
+        in_min, in_max = min(max(b_min, lo), hi), min(max(b_max, lo), hi)
+        at_inside = self.verify.predict(inside, in_min, in_max) + self.per_seq.predict(inside)  # [k, 1]
+        return curve.predict(inside, in_min, in_max) * target / np.maximum(at_inside, 1e-9)
+
+    def _arms(self, gamma_max: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """γ+1, min(γ, 1) and max(γ-1, 0) as [1, γmax+1] rows, built once (read-only: shared by
+        every prediction)."""
         arms = self._arms_cache.get(gamma_max)
         if arms is None:
             g = np.arange(gamma_max + 1, dtype=float)[None, :]
-            g1 = g + 1
-            g.flags.writeable = g1.flags.writeable = False
-            arms = self._arms_cache[gamma_max] = (g, g1)
+            arms = (g + 1, np.minimum(g, 1.0), np.maximum(g - 1, 0.0))
+            for a in arms:
+                a.flags.writeable = False
+            self._arms_cache[gamma_max] = arms
         return arms
 
     def catchup_ms_per_event(self) -> float:
@@ -334,14 +365,16 @@ class StepCostModel:
         return self.catchup_ms_sum / self.catchup_tokens_sum if self.catchup_tokens_sum else 0.0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"verify": self.verify.state_dict(), "draft": self.draft.state_dict(),
+        return {"verify": self.verify.state_dict(), "draft_first": self.draft_first.state_dict(),
+                "draft_next": self.draft_next.state_dict(),
                 "per_seq": self.per_seq.state_dict(),
                 "catchup": [self.catchup_ms_sum, self.catchup_tokens_sum, self.catchup_events],
                 "prefill": [self.prefill_ms_per_token, self.prefill_seen]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.verify.load_state_dict(state.get("verify", {}))
-        self.draft.load_state_dict(state.get("draft", {}))
+        self.draft_first.load_state_dict(state.get("draft_first", {}))  # (an older state's per-pass "draft" is relearned)
+        self.draft_next.load_state_dict(state.get("draft_next", {}))
         self.per_seq.load_state_dict(state.get("per_seq", {}))
         c = state.get("catchup", [0.0, 0.0, 0.0])
         self.catchup_ms_sum, self.catchup_tokens_sum, self.catchup_events = (float(x) for x in c)

@@ -55,14 +55,20 @@ def _reference_step_ms(model: StepCostModel, sizes: np.ndarray, gamma_max: int) 
     g = np.arange(gamma_max + 1, dtype=float)[None, :]
     verify = _reference_curve_predict(model.verify, b * (g + 1)) + _reference_per_batch(model, b)
     target = verify[:, :1]
-    if model.draft.empty:
-        per_pass = model.settings.draft_prior_ratio * target
-    else:
-        seen = np.flatnonzero(np.array(model.draft.weight))
+    def per_pass(curve):
+        seen = np.flatnonzero(np.array(curve.weight))
+        if len(seen) == 0:
+            return None
         inside = np.clip(b, seen[0], seen[-1])
         at_inside = _reference_curve_predict(model.verify, inside) + _reference_per_batch(model, inside)
-        per_pass = _reference_curve_predict(model.draft, inside) * target / np.maximum(at_inside, 1e-9)
-    return verify + g * per_pass
+        return _reference_curve_predict(curve, inside) * target / np.maximum(at_inside, 1e-9)
+
+    first, later = per_pass(model.draft_first), per_pass(model.draft_next)
+    if first is None and later is None:
+        first = later = model.settings.draft_prior_ratio * target
+    first = later if first is None else first
+    later = first if later is None else later
+    return verify + np.minimum(g, 1) * first + np.maximum(g - 1, 0) * later
 
 
 def _observe_noisy_roofline(model: StepCostModel, rng: random.Random, steps: int, batches: range) -> None:

@@ -104,6 +104,36 @@ def test_step_cost_model_shares_verify_cost_across_arms():
     assert roof(32) <= high <= roof(32) * 2 + 1e-9
 
 
+def test_the_draft_cost_is_affine_in_gamma_and_a_deeper_gamma_is_priced_from_another_batch():
+    # Live (seventh session): the draft's first pass costs 2-3x each later one, so its step at
+    # batch 4 read 3.0 / 4.8 ms at γ = 1 / 3. After a long batch-1 phase at γ = 4, the 4-client
+    # bucket played γ = 1 and a per-pass model priced γ = 3's draft at 3 · 3.0 = 9 ms there.
+    def draft(b: int, g: int) -> float:
+        return (2.0 + 0.25 * b) + (g - 1) * (0.3 + 0.15 * b) if g else 0.0
+
+    model = StepCostModel()
+    for _ in range(10):
+        model.observe(1, 1, draft(1, 1), 7.0)
+    for _ in range(200):
+        model.observe(1, 4, draft(1, 4), 7.0)  # the 1-client phase
+        model.observe(4, 1, draft(4, 1), 8.0)  # the 4-client bucket at γ = 1
+
+    def predicted_draft() -> np.ndarray:  # [γ+1]: the step minus its verify part
+        n = np.array([4.0 * (g + 1) for g in range(5)])
+        return model.step_ms(np.array([4.0]), 4)[0] - model.verify.predict(n) - model.per_seq.predict(np.array([4.0]))
+
+    assert predicted_draft()[0] == pytest.approx(0.0, abs=1e-9)
+    assert predicted_draft()[1] == pytest.approx(draft(4, 1), rel=1e-6)
+    # γ = 3 at batch 4: the first pass as measured there, the later ones scaled from batch 1
+    # (by the target's curve, 7 ms at both here): 3.0 + 2 · 0.45, not 3 · 3.0
+    assert predicted_draft()[3] == pytest.approx(draft(4, 1) + 2 * (draft(1, 4) - draft(1, 1)) / 3, rel=0.02)
+    # once deeper γ are measured at batch 4 too, every arm's draft there is its own
+    for _ in range(200):
+        for g in (2, 3):
+            model.observe(4, g, draft(4, g), 8.0)
+    np.testing.assert_allclose(predicted_draft(), [draft(4, g) for g in range(5)], rtol=1e-6)
+
+
 def test_one_gamma_played_at_a_batch_with_noisy_steps_does_not_ratchet_the_per_batch_term():
     # Live, a bucket played γ = 2 at batch 16 for minutes; r(16) climbed to 7-10 ms (about 3
     # where probes' steps put it), so every arm there carried a few ms too many and γ = 0, with
