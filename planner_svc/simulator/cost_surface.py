@@ -45,7 +45,7 @@ class CostSurface:
 
         {"machine": str, "batch_sizes": [..], "gammas": [0..γmax],
          "step_ms": [[ms per γ] per batch size],          # draft + verify of one decode step
-         "draft_ms": [[..]] (optional, same shape),        # else draft = γ·draft_ratio·step(B, 0)
+         "draft_ms": [[..]] (optional, same shape),        # else see load_table
          "acceptance_per_position": [..],                  # P(accept position i | accepted 0..i-1)
          "acceptance_kind": "conditional" (default) or "unconditional" (P(accept 0..i)),
          "catchup_ms_fixed": float, "catchup_ms_per_token": float,
@@ -120,7 +120,14 @@ def _rows(batch_sizes: np.ndarray, table: np.ndarray, max_batch: int) -> np.ndar
 MAX_TABLE_BYTES = 4 << 20  # a measured surface is a few kB
 
 
-def load_table(path: str | Path, max_batch: int = 256, draft_ratio: float = 1 / 6) -> CostSurface:
+def load_table(path: str | Path, max_batch: int = 256, draft_ratio: float = 1 / 6,
+               draft_first_factor: float = 1.0) -> CostSurface:
+    """A measured table. Without ``draft_ms`` the step is split as draft = draft_ratio·step(B, 0)
+    per pass, the first pass ``draft_first_factor`` times a later one (live CPU steps: 2-3×;
+    BENCHMARKS.md, the live planner, seventh session). Only the split depends on these: a policy
+    that models the draft apart sees it, the simulated step time is the table's."""
+    if not draft_first_factor >= 1:
+        raise ValueError(f"draft_first_factor must be >= 1, got {draft_first_factor}")
     try:
         if Path(path).stat().st_size > MAX_TABLE_BYTES:
             raise ValueError(f"larger than {MAX_TABLE_BYTES} bytes")
@@ -140,7 +147,8 @@ def load_table(path: str | Path, max_batch: int = 256, draft_ratio: float = 1 / 
         if draft.shape != step.shape:
             raise ValueError(f"cost surface {path}: draft_ms must have the shape of step_ms")
     else:
-        draft = np.minimum(g * draft_ratio * step[:, :1], 0.5 * step)
+        passes = draft_first_factor * np.minimum(g, 1) + np.maximum(g - 1, 0)  # [1, G+1]
+        draft = np.minimum(passes * draft_ratio * step[:, :1], 0.5 * step)
     draft_all = _rows(sizes, draft, max_batch)
     step_all = _rows(sizes, step, max_batch)
     if "prefill_ms_per_token" in raw:
