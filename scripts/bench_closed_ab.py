@@ -123,21 +123,29 @@ def table(rows: list[dict], statics: list[str], per: int = 1) -> str:
     Three measures of nightjar against the best static policy: paired per repeat with the policy
     whose run mean is highest; paired per repeat with whichever static was best in that repeat
     (where statics tie this is the luckiest of several noisy runs, a bias against nightjar); and
-    the ratio of run means."""
+    the ratio of run means. Beside them, the same-arm speed: per repeat, nightjar's ms per
+    emitted token over the best static's in the cell (batch bucket, γ) where the static spent
+    most steps. Two stacks at the same γ and batch differ by 10-30% for minutes on this machine
+    (BENCHMARKS.md, the live planner); where that ratio is far from 1 so is the throughput one,
+    whatever the policy did."""
     lines = ["| clients | " + " | ".join(f"`{p}`" for p in statics) + " | `nightjar` | ÷ best static, per repeat (median) "
-             "| ÷ each repeat's best (median) | ÷ best static's mean | switches / 1,000 steps under load | planner CPU, % of a core |",
-             "|---:|" + "---:|" * (len(statics) + 6)]
+             "| ÷ each repeat's best (median) | ÷ best static's mean | same-arm ms/token ÷ best static's, per repeat (median) "
+             "| switches / 1,000 steps under load | planner CPU, % of a core |",
+             "|---:|" + "---:|" * (len(statics) + 7)]
     for c in dict.fromkeys(r["clients"] for r in rows):
         at = [r for r in rows if r["clients"] == c]
         mean = {p: statistics.mean(r["tokens_per_s"] for r in at if r["policy"] == p) for p in [*statics, "nightjar"]}
         best = max(statics, key=mean.__getitem__)
-        paired, luckiest = [], []
+        paired, luckiest, same_arm = [], [], []
         for rep in sorted({r["round"] // per for r in at}):
             tps = {p: statistics.mean(v) for p in [*statics, "nightjar"]
                    if len(v := [r["tokens_per_s"] for r in at if r["round"] // per == rep and r["policy"] == p]) == per}
             if len(tps) == len(statics) + 1:
                 paired.append(tps["nightjar"] / tps[best])
                 luckiest.append(tps["nightjar"] / max(tps[p] for p in statics))
+                speed = same_arm_speed([r for r in at if r["round"] // per == rep], best)
+                if speed is not None:
+                    same_arm.append(speed)
         nj = [r for r in at if r["policy"] == "nightjar"]
         # under load only: the final drain walks the batch down through every bucket's γ
         switches = 1000 * sum(r.get("load_switches", r["gamma_switches"]) for r in nj) / max(sum(r.get("load_steps", r["steps"]) for r in nj), 1)
@@ -147,8 +155,28 @@ def table(rows: list[dict], statics: list[str], per: int = 1) -> str:
             return ", ".join(f"{x:.3f}" for x in xs) + (f" (**{statistics.median(xs):.3f}**)" if xs else "")
         lines.append(f"| {c} | " + " | ".join(f"{mean[p]:.0f}" for p in statics) + f" | {mean['nightjar']:.0f} | "
                      f"{listed(paired)} vs `{best}` | {listed(luckiest)} | {mean['nightjar'] / mean[best]:.3f} "
-                     f"| {switches:.1f} | {planner:.0f} |")
+                     f"| {listed(same_arm) or '–'} | {switches:.1f} | {planner:.0f} |")
     return "\n".join(lines)
+
+
+def same_arm_speed(rows: list[dict], static: str, min_steps: int = 30) -> float | None:
+    """nightjar's ms per emitted token over ``static``'s, pooled over ``rows``, in the cell
+    ("bucket|γ") where ``static`` ran most steps; None where nightjar ran under ``min_steps`` there."""
+    pooled: dict[str, dict[str, list[float]]] = {"nightjar": {}, static: {}}
+    for r in rows:
+        if r["policy"] in pooled:
+            for key, (steps, ms, tokens) in (r.get("cells") or {}).items():
+                cell = pooled[r["policy"]].setdefault(key, [0, 0.0, 0])
+                cell[0] += steps
+                cell[1] += ms
+                cell[2] += tokens
+    if not pooled[static]:
+        return None
+    key = max(pooled[static], key=lambda k: pooled[static][k][0])
+    mine, theirs = pooled["nightjar"].get(key), pooled[static][key]
+    if mine is None or mine[0] < min_steps or not mine[2] or not theirs[2]:
+        return None
+    return (mine[1] / mine[2]) / (theirs[1] / theirs[2])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,7 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-budget-bytes", type=int, default=256 << 20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--table-from", type=Path, default=None, metavar="RESULTS_JSON",
+                   help="print the table of a finished run's results.json (its own --policies and "
+                        "--rounds-per-repeat) and exit")
     a = p.parse_args(argv)
+    if a.table_from is not None:
+        done = json.loads(a.table_from.read_text())
+        print(table(done["runs"], done["args"]["policies"].split(","), int(done["args"]["rounds_per_repeat"])))
+        return 0
     out = a.out or ROOT / "runs" / "bench" / time.strftime("closed_ab-%Y%m%dT%H%M%SZ", time.gmtime())
     out.mkdir(parents=True, exist_ok=True)
     rows = asyncio.run(run(a, out))

@@ -4,6 +4,7 @@ against a real grpc.aio InferenceService on 127.0.0.1 (a scripted one, in the te
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import grpc
@@ -587,3 +588,27 @@ def test_a_phase_shorter_than_the_window_is_not_judged_a_miss():
     payload["samples"] = {k: v[:120] for k, v in payload["samples"].items()}  # only the short pieces
     (row,) = report.learning_rows(payload)
     assert row["met"] is None and row["ratio"] is None and row["note"].startswith("not judged")
+
+
+def test_closed_ab_table_shows_the_same_arm_speed_of_the_two_stacks(tmp_path, capsys):
+    # Two stacks at the same γ and batch ran 5-28% apart for minutes (BENCHMARKS.md, the live
+    # planner, seventh session): the table's same-arm column shows it beside each ratio.
+    import bench_closed_ab
+
+    def row(policy, rnd, tps, cells):
+        return {"clients": 48, "round": rnd, "policy": policy, "tokens_per_s": tps, "steps": 100, "gamma_switches": 0,
+                "cpu_s": {}, "wall_s": 15.0, "cells": cells}
+    rows = []
+    for rnd, slow in enumerate((1.0, 1.25)):  # nightjar's stack 25% slower per token in round 1
+        rows.append(row("off", rnd, 1000.0, {"64|0": [400, 400 * 40.0, 400 * 48]}))
+        rows.append(row("fixed:1", rnd, 900.0, {"64|1": [300, 300 * 60.0, 300 * 80]}))
+        rows.append(row("nightjar", rnd, 1000.0 / slow, {"64|0": [380, 380 * 40.0 * slow, 380 * 48],
+                                                          "32|1": [20, 20 * 30.0, 20 * 40]}))
+    assert bench_closed_ab.same_arm_speed(rows[:3], "off") == pytest.approx(1.0)
+    assert bench_closed_ab.same_arm_speed(rows[3:], "off") == pytest.approx(1.25)
+    assert bench_closed_ab.same_arm_speed(rows[3:], "fixed:1") is None  # nightjar never ran 64|1
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"args": {"policies": "off,fixed:1", "rounds_per_repeat": 1}, "runs": rows}))
+    assert bench_closed_ab.main(["--table-from", str(results)]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert "1.000, 0.800 (**0.900**) vs `off`" in line and "1.000, 1.250 (**1.125**)" in line
