@@ -237,7 +237,14 @@ class StepCostModel:
                 self.draft_next.observe(batch_size, draft_ms / gamma)
                 return
             cell = batch_size if batch_size < first.top else first.top
-            d1 = first.mean[cell] if first.weight[cell] > 0 else float(first.predict(np.array([float(batch_size)]))[0])
+            if first.weight[cell] > 0:
+                d1 = first.mean[cell]
+            elif self.verify.empty:  # (only mixed steps so far)
+                d1 = float(first.predict(np.array([float(batch_size)]))[0])
+            else:  # as step_ms predicts it
+                b = np.array([[float(batch_size)]])  # [1, 1]
+                target = self.verify.predict(b) + self.per_seq.predict(b)
+                d1 = float(self._draft_pass(first, b, float(batch_size), float(batch_size), target)[0, 0])
             rest = draft_ms - d1
             self.draft_next.observe(batch_size, (rest if rest > 0.0 else 0.0) / (gamma - 1))
 
