@@ -138,12 +138,13 @@ def table(rows: list[dict], statics: list[str], per: int = 1) -> str:
         best = max(statics, key=mean.__getitem__)
         paired, luckiest, same_arm = [], [], []
         for rep in sorted({r["round"] // per for r in at}):
+            in_rep = [r for r in at if r["round"] // per == rep]
             tps = {p: statistics.mean(v) for p in [*statics, "nightjar"]
-                   if len(v := [r["tokens_per_s"] for r in at if r["round"] // per == rep and r["policy"] == p]) == per}
+                   if len(v := [r["tokens_per_s"] for r in in_rep if r["policy"] == p]) == per}
             if len(tps) == len(statics) + 1:
                 paired.append(tps["nightjar"] / tps[best])
                 luckiest.append(tps["nightjar"] / max(tps[p] for p in statics))
-                speed = same_arm_speed([r for r in at if r["round"] // per == rep], best)
+                speed = same_arm_speed(in_rep, best)
                 if speed is not None:
                     same_arm.append(speed)
         nj = [r for r in at if r["policy"] == "nightjar"]
@@ -162,18 +163,12 @@ def table(rows: list[dict], statics: list[str], per: int = 1) -> str:
 def same_arm_speed(rows: list[dict], static: str, min_steps: int = 30) -> float | None:
     """nightjar's ms per emitted token over ``static``'s, pooled over ``rows``, in the cell
     ("bucket|γ") where ``static`` ran most steps; None where nightjar ran under ``min_steps`` there."""
-    pooled: dict[str, dict[str, list[float]]] = {"nightjar": {}, static: {}}
-    for r in rows:
-        if r["policy"] in pooled:
-            for key, (steps, ms, tokens) in (r.get("cells") or {}).items():
-                cell = pooled[r["policy"]].setdefault(key, [0, 0.0, 0])
-                cell[0] += steps
-                cell[1] += ms
-                cell[2] += tokens
-    if not pooled[static]:
+    mine_all = report.pool_cells(r.get("cells") for r in rows if r["policy"] == "nightjar")
+    theirs_all = report.pool_cells(r.get("cells") for r in rows if r["policy"] == static)
+    if not theirs_all:
         return None
-    key = max(pooled[static], key=lambda k: pooled[static][k][0])
-    mine, theirs = pooled["nightjar"].get(key), pooled[static][key]
+    key = max(theirs_all, key=lambda k: theirs_all[k][0])
+    mine, theirs = mine_all.get(key), theirs_all[key]
     if mine is None or mine[0] < min_steps or not mine[2] or not theirs[2]:
         return None
     return (mine[1] / mine[2]) / (theirs[1] / theirs[2])

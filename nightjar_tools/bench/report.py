@@ -104,6 +104,19 @@ def _is_static(policy: str) -> bool:
     return policy == "off" or policy.startswith("fixed:")
 
 
+def pool_cells(cell_maps) -> dict[str, list[float]]:
+    """Engine cells ("bucket|γ" -> [steps, ms, emitted tokens]) of several runs, summed per cell;
+    a run without cells (None) adds nothing."""
+    pooled: dict[str, list[float]] = {}
+    for cells in cell_maps:
+        for key, (steps, ms, tokens) in (cells or {}).items():
+            cell = pooled.setdefault(key, [0, 0.0, 0])
+            cell[0] += steps
+            cell[1] += ms
+            cell[2] += tokens
+    return pooled
+
+
 def oracle_table(runs: list[dict], min_steps: int = ORACLE_MIN_STEPS) -> dict[int, int]:
     """The best static per-batch-size table in hindsight: {bucket upper bound: γ}.
 
@@ -112,16 +125,9 @@ def oracle_table(runs: list[dict], min_steps: int = ORACLE_MIN_STEPS) -> dict[in
     run's measured surface; each bucket takes the γ with the fewest ms per emitted token among
     cells with ``min_steps`` or more. Only γs some policy played in a bucket can be chosen there.
     """
-    pooled: dict[tuple[int, int], list[float]] = {}
-    for r in runs:
-        for key, (steps, ms, tokens) in ((r.get("engine") or {}).get("cells") or {}).items():
-            bucket, gamma = (int(x) for x in key.split("|"))
-            cell = pooled.setdefault((bucket, gamma), [0, 0.0, 0])
-            cell[0] += steps
-            cell[1] += ms
-            cell[2] += tokens
     best: dict[int, tuple[float, int]] = {}
-    for (bucket, gamma), (steps, ms, tokens) in pooled.items():
+    for key, (steps, ms, tokens) in pool_cells((r.get("engine") or {}).get("cells") for r in runs).items():
+        bucket, gamma = (int(x) for x in key.split("|"))
         if steps >= min_steps and tokens > 0:
             cost = ms / tokens
             if bucket not in best or cost < best[bucket][0]:

@@ -329,11 +329,10 @@ class StepCostModel:
         n_max = b_max * float(gamma_max + 1)
         verify = self.verify.predict(b * g1, b_min, n_max, optimistic) + self.per_seq.predict(b)  # [k, G+1]
         target = verify[:, :1]  # [k, 1] the target's pass at B tokens: the γ=0 column
-        if self.draft_first.empty and self.draft_next.empty:
-            first = self.settings.draft_prior_ratio * target  # [k, 1]
-            return verify + (first_pass + next_passes) * first
         first = self._draft_pass(self.draft_first, b, b_min, b_max, target)  # [k, 1] or None
         later = self._draft_pass(self.draft_next, b, b_min, b_max, target)
+        if first is None and later is None:  # no draft pass seen yet
+            first = later = self.settings.draft_prior_ratio * target
         first = later if first is None else first
         later = first if later is None else later
         return verify + first_pass * first + next_passes * later
