@@ -20,7 +20,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 ENV_PREFIX = "NIGHTJAR_"
@@ -145,6 +146,9 @@ def masked(url: str) -> str:
     return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
 
 
+LOST_CONNECTION_RETRIES = 3
+
+
 def connect_redis(url: str, *, timeout_s: float = 1.0, block_margin_s: float = 5.0,
                   retries: int | None = None) -> aioredis.Redis:
     """An asyncio client for ``url`` (password and TLS come from the URL: rediss://:pw@host).
@@ -154,8 +158,11 @@ def connect_redis(url: str, *, timeout_s: float = 1.0, block_margin_s: float = 5
     A ``redis+cluster://`` URL gives redis-py's cluster client (``RedisCluster``), which follows
     MOVED/ASK and re-reads the topology after a failover; its API is the same for what the
     services call, as long as every key of a command shares one slot (a ``{tag}`` key prefix).
-    ``retries``: how often a command is retried on a lost connection, without backoff (None:
-    redis-py's default, 10 with backoff up to 1 s; a poll that is its own retry loop wants 0).
+    ``retries``: how often a command is retried on a lost connection (None: ``LOST_CONNECTION_RETRIES``,
+    with a short backoff; a poll that is its own retry loop wants 0). Only a lost connection is
+    retried, never a timeout: after a Redis restart every pooled connection is dead, and the
+    first command on each must reconnect rather than fail its request. (redis-py's ``from_url``
+    gives pooled connections no retry at all, unlike its constructor's default of 10.)
     """
     kw = dict(
         socket_connect_timeout=timeout_s,
@@ -167,8 +174,9 @@ def connect_redis(url: str, *, timeout_s: float = 1.0, block_margin_s: float = 5
         # (Per node on Cluster.)
         max_connections=MAX_REDIS_CONNECTIONS,
     )
-    if retries is not None:
-        kw["retry"] = Retry(NoBackoff(), retries)
+    backoff = NoBackoff() if retries is not None else ExponentialWithJitterBackoff(base=0.01, cap=0.25)
+    retries = LOST_CONNECTION_RETRIES if retries is None else retries
+    kw["retry"] = Retry(backoff, retries, supported_errors=(RedisConnectionError,))
     if is_cluster_url(check_redis_url(url)):
         from redis.asyncio.cluster import ClusterNode, RedisCluster
 

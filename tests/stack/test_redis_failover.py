@@ -132,3 +132,25 @@ async def test_a_full_redis_refuses_new_requests_unavailable(direct):
         with pytest.raises(Unavailable, match="full"):
             await queue.enqueue(Job(request_id="r0", prompt_token_ids=(1, 2), params={"max_tokens": 2}))
         await r.aclose()
+
+
+async def test_pooled_connections_reconnect_after_a_redis_restart():
+    """After a restart every pooled connection is dead. The first command on each reconnects
+    instead of failing its request ("Connection closed by server": a CI failure of the test
+    above, whose first request met a connection pooled before the previous test's restart)."""
+    from nightjar.service_util import connect_redis
+
+    server = EmbeddedRedis(password=secrets.token_hex(8)).start()
+    r = connect_redis(server.url)
+    try:
+        # Several connections in the pool, all made before the restart.
+        await asyncio.gather(*(r.blpop(f"k{i}", timeout=0.2) for i in range(4)))
+        assert len(r.connection_pool._available_connections) >= 2
+        port, password = server.port, server.password
+        server.stop()
+        server = EmbeddedRedis(port=port, password=password).start()
+        for i in range(4):  # each takes the next stale connection from the pool
+            assert await r.incr("n") == i + 1
+    finally:
+        await r.aclose()
+        server.stop()
