@@ -20,5 +20,21 @@ _pair = os.environ.get(PAIR_ENV, "serve")
 if _pair not in PAIRS:
     raise SystemExit(f"{PAIR_ENV}={_pair!r}: expected one of {', '.join(PAIRS)}")
 DEFAULT_TARGET, DEFAULT_DRAFT = PAIRS[_pair]
+# The shipped pairs' offline cost surfaces (scripts/bench_speculation.py: CPU, float32, one torch
+# thread): the planner's default prior when that pair serves on CPU. Another CPU's steps take
+# longer or shorter, but the shape (the best γ falling with the batch) carries over, and live
+# steps replace the prior's figures cell by cell.
+COST_SURFACES = ROOT / "planner_svc" / "cost_surfaces"
+SHIPPED_SURFACES = {SERVE_TARGET: COST_SURFACES / "cpu_serve.json", TINY_TARGET: COST_SURFACES / "cpu_tiny.json"}
+
+
+def shipped_surface(target: Path, device: str = "cpu", dtype: str = "float32") -> Path | None:
+    """The cost surface shipped for ``target`` served on ``device`` in ``dtype``, if there is one."""
+    if device != "cpu" or dtype != "float32":
+        return None
+    resolved = Path(target).resolve()
+    return next((s for t, s in SHIPPED_SURFACES.items() if t.resolve() == resolved), None)
+
+
 HELDOUT_PROMPTS = MODELS_DIR / "prompts.jsonl"  # one {"id": str, "text": str} per line
 TRACES_DIR = ROOT.parent / "shared" / "traces"  # read by path, never copied in

@@ -61,6 +61,10 @@ def add_stack_args(p: argparse.ArgumentParser, *, port: int, http_port: int | No
     p.add_argument("--device", default="cpu", help="the workers' device: cpu or cuda[:N] (on CUDA each worker runs its "
                    "engine loop in a child process)")
     p.add_argument("--dtype", default="float32", help="the workers' weights and KV cache: float32, bfloat16, float16")
+    p.add_argument("--prior-surface", default="auto",
+                   help="warm-start nightjar from this offline cost surface (scripts/bench_speculation.py's JSON); "
+                        "auto (default): the surface shipped for the model on this kind of device, if one is "
+                        "(the shipped pairs on CPU in float32); none: learn online from nothing")
     p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: (cores - 1) / workers, at least 1)")
     p.add_argument("--io-nice", type=int, default=StackConfig.io_nice,
                    help="niceness added to every service but the workers (default 0: equal priority; see docs/pipeline.md)")
@@ -102,6 +106,13 @@ def resolve_models(a: argparse.Namespace, p: argparse.ArgumentParser) -> tuple[P
     return target, draft, model
 
 
+def prior_surface(choice: str, target: Path, device: str = "cpu", dtype: str = "float32") -> Path | None:
+    """--prior-surface: auto (the surface shipped for ``target`` on this device, if any), none, or a file."""
+    if choice == "auto":
+        return paths.shipped_surface(target, device, dtype)
+    return None if choice == "none" else Path(choice)
+
+
 def stack_config(a: argparse.Namespace, p: argparse.ArgumentParser, **overrides) -> StackConfig:
     # the workers would refuse these too, but only after the stack started: say it here, naming the flag
     if not (a.device == "cpu" or a.device.startswith("cuda")):
@@ -114,6 +125,7 @@ def stack_config(a: argparse.Namespace, p: argparse.ArgumentParser, **overrides)
         if not torch.cuda.is_available():
             fail(p, f"--device {a.device}: torch sees no CUDA device on this machine")
     target, draft, name = resolve_models(a, p)
+    prior = prior_surface(a.prior_surface, target, a.device, a.dtype)
     try:
         served = check(target, draft, dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                        kv_cache_bytes=a.kv_cache_memory_bytes, gamma_max=a.gamma_max)
@@ -129,7 +141,7 @@ def stack_config(a: argparse.Namespace, p: argparse.ArgumentParser, **overrides)
                   context_tokens=served.context_tokens, max_num_seqs=a.max_num_seqs,
                   kv_cache_bytes=a.kv_cache_memory_bytes, gamma_max=a.gamma_max,
                   served_model_name=getattr(a, "served_model_name", None) or (name if name != target.name else ""),
-                  chat_template=getattr(a, "chat_template", None))
+                  chat_template=getattr(a, "chat_template", None), prior_surface=prior)
     try:
         return StackConfig(**{**fields, **overrides})
     except ValueError as exc:

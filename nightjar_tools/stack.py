@@ -44,6 +44,7 @@ class StackConfig:
     worker_args: tuple[str, ...] = ()
     scheduler_args: tuple[str, ...] = ()
     planner_args: tuple[str, ...] = ()
+    prior_surface: Path | None = None  # the planner's --prior-surface (nightjar's warm start); None: learn from nothing
     log_dir: Path | None = None  # None = a temporary folder (logs shown when a service fails)
     log_level: str = "INFO"
     log_format: str = "text"  # every service's --log-format
@@ -88,6 +89,8 @@ class StackConfig:
             raise ValueError(f"--http-port must be 0..65535, got {self.http_port}")
         if not (self.target_path / "config.json").is_file():
             raise ValueError(f"--target {self.target_path} is not a model folder (no config.json)")
+        if self.prior_surface is not None and not Path(self.prior_surface).is_file():
+            raise ValueError(f"--prior-surface {self.prior_surface}: no such file")
         if self.draft_path is not None and not (self.draft_path / "config.json").is_file():
             raise ValueError(f"--draft {self.draft_path} is not a model folder (no config.json); or pass --no-draft")
 
@@ -191,7 +194,8 @@ class Stack:
     def _planner_args(self) -> list[str]:
         cfg = self.cfg
         gamma = ["--gamma-max", str(cfg.gamma_max)] if cfg.gamma_max is not None else []
-        return ["--policy", cfg.policy, *gamma, *cfg.planner_args]
+        prior = ["--prior-surface", str(cfg.prior_surface)] if cfg.prior_surface is not None else []
+        return ["--policy", cfg.policy, *gamma, *prior, *cfg.planner_args]
 
     def _gateway_limits(self) -> list[str]:
         cfg, out = self.cfg, []

@@ -76,6 +76,10 @@ def parser() -> argparse.ArgumentParser:
                    help="the workers' draft model folder (--draft-share is of its weights)")
     p.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker (1 avoids OpenMP stalls on a busy machine)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker argument (repeatable), e.g. --worker-arg=--max-running=32")
+    p.add_argument("--planner-arg", action="append", default=[], help="extra planner argument (repeatable)")
+    p.add_argument("--prior-surface", default="auto",
+                   help="nightjar's offline prior, as nightjar serve's: auto (the surface shipped for the target on "
+                        "the workers' device, if any), none (learn online from nothing), or a surface JSON")
     p.add_argument("--capacity-rps", type=float, default=None, help="skip the capacity probe")
     p.add_argument("--calibration", type=Path, default=None,
                    help="reuse the capacity and γ of an earlier results.json (skips both probes)")
@@ -140,10 +144,16 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
             kv_budget = kv_budget_for_share(a.draft_share, a.draft_model or paths.DEFAULT_DRAFT)
         except ValueError as exc:
             p.error(str(exc))
+    from nightjar_tools.serve import prior_surface
+
+    worker = argparse.ArgumentParser(add_help=False)
+    worker.add_argument("--device", default="cpu")
+    prior = prior_surface(a.prior_surface, a.target_model, worker.parse_known_args(a.worker_arg)[0].device)
     try:
         cfg = CompareConfig(policies=policies, workloads=workloads, out_dir=out, seed=a.seed, scale=scale,
                             drain_timeout_s=a.drain_timeout_s or (15.0 if a.quick else 20.0), kv_budget_bytes=kv_budget,
-                            worker_args=tuple(a.worker_arg), target_model=a.target_model, draft_model=a.draft_model,
+                            worker_args=tuple(a.worker_arg), planner_args=tuple(a.planner_arg), prior_surface=prior,
+                            target_model=a.target_model, draft_model=a.draft_model,
                             worker_threads=a.worker_threads, capacity_rps=capacity, fixed_gamma=fixed_gamma,
                             capacity_probe_s=12.0 if a.quick else 20.0, repeats=a.repeats, progress=not a.no_progress,
                             oracle=a.oracle or a.headline)

@@ -66,6 +66,7 @@ class CompareConfig:
     kv_budget_bytes: int | None = None  # the worker's KV budget (the memory overload scenario's)
     worker_args: tuple[str, ...] = ()
     planner_args: tuple[str, ...] = ()
+    prior_surface: Path | None = None  # nightjar's warm start (StackConfig.prior_surface)
     target_model: Path = paths.DEFAULT_TARGET
     draft_model: Path = paths.DEFAULT_DRAFT
     workers: int = 1
@@ -107,7 +108,8 @@ class CompareConfig:
         return StackConfig(port=0, workers=self.workers, policy=policy, planner=planner, worker_args=tuple(args),
                            target_path=self.target_model, draft_path=self.draft_model,
                            worker_threads=self.worker_threads,
-                           planner_args=planner_args, log_dir=log_dir, log_level="WARNING")
+                           planner_args=planner_args, prior_surface=self.prior_surface if planner else None,
+                           log_dir=log_dir, log_level="WARNING")
 
 
 def policy_order(policies: tuple[str, ...], rep: int) -> tuple[str, ...]:
@@ -357,7 +359,9 @@ class Comparison:
                            "target_model": str(self.cfg.target_model), "draft_model": str(self.cfg.draft_model),
                            "draft_weight_bytes": draft_weight_bytes(self.cfg.draft_model),
                            "drain_timeout_s": self.cfg.drain_timeout_s, "workers": self.cfg.workers,
-                           "worker_threads": self.cfg.worker_threads, "worker_args": self.cfg.worker_args},
+                           "worker_threads": self.cfg.worker_threads, "worker_args": self.cfg.worker_args,
+                           "planner_args": self.cfg.planner_args,
+                           "prior_surface": str(self.cfg.prior_surface) if self.cfg.prior_surface else None},
                 "started_unix": self.started_unix, "calibration": self.calibration, "stack_start_s": self.stack_start_s,
                 "runs": self.runs, "samples": self.samples}
         payload["goals"] = report.goal_rows(self.runs, kinds) + report.learning_rows(payload)

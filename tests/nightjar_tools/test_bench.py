@@ -413,6 +413,14 @@ def test_bench_gives_the_workers_its_models_and_sizes_the_budget_by_that_draft(t
     assert stack.draft_path == draft and stack.target_path == paths.DEFAULT_TARGET
     # the Stack puts worker_args after the models, so an explicit --worker-arg=--target=... still wins
     assert list(stack.worker_args) == ["--target", "/elsewhere", "--kv-budget-bytes", str(1 << 20)]
+    # nightjar's prior, as nightjar serve's: auto for the shipped target on CPU, none, or a file
+    surface = paths.shipped_surface(paths.DEFAULT_TARGET)
+    assert surface is not None
+    assert parser().parse_args([]).prior_surface == "auto"
+    warm = CompareConfig(policies=("nightjar",), workloads=(WorkloadPlan("burst", 1.0),), out_dir=tmp_path,
+                         prior_surface=surface)
+    assert warm.stack_config("nightjar", tmp_path).prior_surface == surface
+    assert warm.stack_config("off", tmp_path, planner=False).prior_surface is None
 
 
 def test_odd_repeats_reverse_the_policy_order_so_a_steady_drift_cancels():

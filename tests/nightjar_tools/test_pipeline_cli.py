@@ -37,6 +37,26 @@ def test_serve_flags_build_a_validated_config(tmp_path):
             stack_config(p.parse_args(["--device", "cuda"]), p)
 
 
+def test_the_planner_starts_from_the_surface_shipped_for_the_model_on_cpu(tmp_path):
+    """--prior-surface auto (the default): the shipped pair on CPU in float32 gets its own surface,
+    anything else learns from nothing; none turns it off; a missing file is refused up front."""
+    from nightjar import paths
+    from nightjar_tools.stack import Stack
+
+    p = argparse.ArgumentParser()
+    add_stack_args(p, port=50051)
+    cfg = stack_config(p.parse_args([]), p)
+    assert cfg.prior_surface == paths.shipped_surface(paths.DEFAULT_TARGET) and cfg.prior_surface.is_file()
+    args = Stack(cfg)._planner_args()
+    assert args[args.index("--prior-surface") + 1] == str(cfg.prior_surface)
+    assert stack_config(p.parse_args(["--dtype", "bfloat16"]), p).prior_surface is None  # measured in float32
+    assert stack_config(p.parse_args(["--prior-surface", "none"]), p).prior_surface is None
+    assert "--prior-surface" not in Stack(stack_config(p.parse_args(["--prior-surface", "none"]), p))._planner_args()
+    assert paths.shipped_surface(paths.SERVE_TARGET, "cuda") is None and paths.shipped_surface(tmp_path) is None
+    with pytest.raises(SystemExit):
+        stack_config(p.parse_args(["--prior-surface", str(tmp_path / "missing.json")]), p)
+
+
 @pytest.mark.parametrize("service, argv, field, value", [
     ("gateway.__main__", ["--port", "0", "--max-queued", "7", "--auth-token", "t"], "max_queued", 7),
     ("scheduler_svc.__main__", ["--max-deliveries", "9"], "max_deliveries", 9),
