@@ -56,6 +56,11 @@ class NightjarSettings:
     change_min_tokens: int = 1024  # emitted tokens of exploit bins behind each change test
     initial_gamma: int = 1
     prior_block: int = 2  # a warm start (an offline surface) begins each bucket's schedule at this block
+    # A prior measured elsewhere (the shipped surface, another CPU) is off by one factor for the
+    # whole surface: the median of live ÷ prior over the first pure-decode steps rescales it,
+    # when that is further than the tolerance from 1 (0 steps: never).
+    prior_fit_steps: int = 16
+    prior_fit_tolerance: float = 0.2
     offload: bool = True
     acceptance: AcceptanceSettings = field(default_factory=AcceptanceSettings)
     cost: StepCostSettings = field(default_factory=StepCostSettings)
@@ -65,8 +70,9 @@ class NightjarSettings:
         if not 1 <= self.bin_base <= self.bin_max:
             raise ValueError(f"need 1 <= bin_base <= bin_max, got {self.bin_base}, {self.bin_max}")
         if (self.bins_per_block < 1 or self.min_plays < 0 or self.verify_plays < 0 or self.stale_steps < 1 or self.prior_block < 0
-                or self.change_min_tokens < 0):
-            raise ValueError("bins_per_block and stale_steps must be >= 1; min_plays, verify_plays, prior_block, change_min_tokens >= 0")
+                or self.change_min_tokens < 0 or self.prior_fit_steps < 0 or self.prior_fit_tolerance < 0):
+            raise ValueError("bins_per_block and stale_steps must be >= 1; min_plays, verify_plays, prior_block, "
+                             "change_min_tokens, prior_fit_steps, prior_fit_tolerance >= 0")
         if not 0 <= self.epsilon_min <= self.epsilon0 <= 1:
             raise ValueError("need 0 <= epsilon_min <= epsilon0 <= 1")
         if not 0 < self.probe_budget <= 1:
@@ -149,6 +155,30 @@ class _Timeline:
         return (keep + self.lo).astype(float), hist[keep] / hist[keep].sum()
 
 
+class _PriorFit:
+    """Live ÷ prior step time over a warm start's first pure-decode steps (``_rescale_prior``)."""
+
+    def __init__(self, prior: SurfacePrior, steps: int) -> None:
+        self.prior, self.steps = prior, steps
+        self.log_sizes = np.log(np.array(prior.batch_sizes, dtype=float))  # [k]
+        self.step_ms = np.array(prior.draft_ms) + np.array(prior.verify_ms)  # [k, γ+1]
+        self.ratios: list[float] = []
+        self.seen: list[StepStats] = []  # every step so far: replayed into a rescaled model
+
+    def observe(self, stats: StepStats) -> bool:
+        """Take one step; True when the fit is done (enough pure-decode steps, or too long without)."""
+        self.seen.append(stats)
+        b, g = stats.batch_size, stats.gamma
+        if stats.prefill_tokens == 0 and stats.verify_ms > 0 and g < self.step_ms.shape[1] \
+                and b <= self.prior.batch_sizes[-1]:
+            predicted = float(np.interp(math.log(b), self.log_sizes, self.step_ms[:, g]))
+            self.ratios.append((stats.draft_ms + stats.verify_ms) / predicted)
+        return len(self.ratios) >= self.steps or len(self.seen) >= 16 * self.steps
+
+    def scale(self) -> float:
+        return float(np.median(self.ratios)) if self.ratios else 1.0
+
+
 class NightjarPolicy(GammaPolicy):
     """with p_b the bucket's (decayed) batch-size histogram, t̂ the fitted step-cost model
     (StepCostModel), Ê the expected tokens per sequence from per-position acceptance
@@ -207,6 +237,7 @@ class NightjarPolicy(GammaPolicy):
         self.updates = 0
         self.bins_ended = 0
         self.switches = 0  # table changes (bin decisions that changed a bucket's γ)
+        self._prior_fit: _PriorFit | None = None  # a warm start's scale, while it is being measured
 
     def warm_start(self, prior: SurfacePrior) -> None:
         """Start the cost and acceptance models from an offline surface, and every bucket at the
@@ -218,6 +249,20 @@ class NightjarPolicy(GammaPolicy):
         self._seed_unvisited()
         for tl in self.timelines:  # the model is already informed: explore as a few blocks in would
             tl.block = self.settings.prior_block
+        self._prior_fit = _PriorFit(prior, self.settings.prior_fit_steps) if self.settings.prior_fit_steps else None
+
+    def _rescale_prior(self, fit: "_PriorFit") -> None:
+        """The first pure-decode steps ran ``fit.scale()`` times the prior's figures (another
+        machine, or the same one busier): seed a fresh cost model from the prior times that,
+        then replay every step seen so far. Cells with live steps end as before; the arms and
+        batch sizes not yet played are priced on this machine's scale instead of the prior's."""
+        scale = fit.scale()
+        prior = fit.prior
+        self.cost = StepCostModel(self.settings.cost)
+        self.cost.seed(list(prior.batch_sizes), [[d * scale for d in r] for r in prior.draft_ms],
+                       [[v * scale for v in r] for r in prior.verify_ms])
+        for st in fit.seen:
+            self._observe_cost(st)
 
     # --- select --------------------------------------------------------------------------------
     def gamma_for(self, batch_size: int) -> int:
@@ -271,13 +316,13 @@ class NightjarPolicy(GammaPolicy):
         self.updates += 1
         if g > 0 and stats.accepted_per_position:
             self.acceptance.observe(b, g, stats.accepted_per_position)
+        self._observe_cost(stats)
+        fit = self._prior_fit
+        if fit is not None and fit.observe(stats):
+            self._prior_fit = None
+            if abs(math.log(fit.scale())) > math.log(1.0 + self.settings.prior_fit_tolerance):
+                self._rescale_prior(fit)
         prefill_tokens = stats.prefill_tokens
-        if prefill_tokens > 0:  # the target forward also prefilled new prompts
-            self.cost.observe_mixed(b, g, draft_ms, verify_ms, prefill_tokens)
-        elif verify_ms > 0:
-            self.cost.observe(b, g, draft_ms, verify_ms)
-        if stats.catchup_tokens > 0:
-            self.cost.observe_catchup(stats.catchup_tokens, catchup_ms)
         bucket = self._bucket_of[b] if b < self._bucket_end else bucket_index(self.buckets, b)
         tl = self.timelines[bucket]
         run, _, zero_bucket, _ = self.workers_lag.get(stats.worker_id, (0, 0.0, bucket, 0))
@@ -305,6 +350,15 @@ class NightjarPolicy(GammaPolicy):
             self._end_bin(tl, bucket)
         if self.settings.offload:
             self.residency_ctl.observe(stats, self.gain, self.offload_gain, self.cost.catchup_ms_per_token())
+
+    def _observe_cost(self, stats: StepStats) -> None:
+        b, g = stats.batch_size, stats.gamma
+        if stats.prefill_tokens > 0:  # the target forward also prefilled new prompts
+            self.cost.observe_mixed(b, g, stats.draft_ms, stats.verify_ms, stats.prefill_tokens)
+        elif stats.verify_ms > 0:
+            self.cost.observe(b, g, stats.draft_ms, stats.verify_ms)
+        if stats.catchup_tokens > 0:
+            self.cost.observe_catchup(stats.catchup_tokens, stats.catchup_ms)
 
     def _end_bin(self, tl: _Timeline, bucket: int) -> None:
         s = self.settings
@@ -476,6 +530,7 @@ class NightjarPolicy(GammaPolicy):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._prior_fit = None  # the saved model was learned live: nothing to rescale
         self.updates = int(state.get("updates", 0))
         self.switches = int(state.get("switches", 0))
         self.rng = random.Random(self.seed * 1_000_003 + self.updates)  # fresh but reproducible stream

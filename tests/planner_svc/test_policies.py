@@ -134,6 +134,26 @@ def test_the_draft_cost_is_affine_in_gamma_and_a_deeper_gamma_is_priced_from_ano
     np.testing.assert_allclose(predicted_draft(), [draft(4, g) for g in range(5)], rtol=1e-6)
 
 
+@pytest.mark.parametrize("machine", [3.0, 1.0, 0.5])
+def test_a_prior_measured_on_another_machine_is_rescaled_by_the_first_live_steps(machine):
+    # Eighth session: the shipped surface came from a CPU about 3x faster than the one serving.
+    # Live steps replaced the prior where they fell, but every arm and batch not yet played kept
+    # the prior's third of its cost, so nightjar chose by a mix of two machines' figures.
+    from nightjar.paths import COST_SURFACES
+
+    prior = load_table(COST_SURFACES / "cpu_serve.json", max_batch=256).prior()
+    policy = NightjarPolicy(gamma_max=4)
+    policy.warm_start(prior)
+    sizes = np.array([32.0, 64.0])
+    before = policy.cost.step_ms(sizes, 4)  # [2, γ+1]
+    for i in range(policy.settings.prior_fit_steps):  # pure decode at batch 1 and 2, γ = 3
+        b = 1 + i % 2
+        policy.update(stats(b, 3, verify_ms=prior.verify_ms[b - 1][3] * machine,
+                            draft_ms=prior.draft_ms[b - 1][3] * machine, accepted=(1, 1, 0)))
+    # batch 32 and 64 were never played: priced on this machine's scale
+    np.testing.assert_allclose(policy.cost.step_ms(sizes, 4), before * machine, rtol=0.05)
+
+
 def test_one_gamma_played_at_a_batch_with_noisy_steps_does_not_ratchet_the_per_batch_term():
     # Live, a bucket played γ = 2 at batch 16 for minutes; r(16) climbed to 7-10 ms (about 3
     # where probes' steps put it), so every arm there carried a few ms too many and γ = 0, with
