@@ -25,11 +25,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from nightjar import paths  # noqa: E402
 from nightjar_tools.bench import report  # noqa: E402
 from nightjar_tools.bench.compare import (CompareConfig, KeepPublished, WorkloadPlan, RunningStack,  # noqa: E402
                                           run_on_stack, speed_probe_ms, wait_idle, warm_up)
 from nightjar_tools.bench.probe import recording  # noqa: E402
 from nightjar_tools.bench.workload import PromptBank, build  # noqa: E402
+from nightjar_tools.serve import prior_surface  # noqa: E402
 
 
 def gamma_of(policy: str) -> int:
@@ -68,7 +70,8 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
     clients = [int(x) for x in a.clients.split(",")]
     statics = a.policies.split(",")
     cfg = CompareConfig(policies=("nightjar",), workloads=(WorkloadPlan(f"closed:{clients[0]}", a.seconds),), out_dir=out,
-                        kv_budget_bytes=a.kv_budget_bytes, progress=False, seed=a.seed)
+                        kv_budget_bytes=a.kv_budget_bytes, progress=False, seed=a.seed,
+                        prior_surface=prior_surface(a.prior_surface, paths.DEFAULT_TARGET))
     bank, rows, version = PromptBank(), [], 0
     learner_cfg = cfg.stack_config("nightjar", out / "logs" / "nightjar")
     static_cfg = cfg.stack_config("off", out / "logs" / "static", planner=False)
@@ -193,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--static-first", action="store_true",
                    help="start the planner-less stack first (the stack started first ran the same steps ~5%% slower: "
                         "BENCHMARKS.md, the live planner, fourth and fifth sessions)")
+    p.add_argument("--prior-surface", default="auto",
+                   help="nightjar's offline prior, as nightjar serve's: auto, none (learn from nothing), or a surface JSON")
     p.add_argument("--kv-budget-bytes", type=int, default=256 << 20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
