@@ -159,10 +159,11 @@ def connect_redis(url: str, *, timeout_s: float = 1.0, block_margin_s: float = 5
     MOVED/ASK and re-reads the topology after a failover; its API is the same for what the
     services call, as long as every key of a command shares one slot (a ``{tag}`` key prefix).
     ``retries``: how often a command is retried on a lost connection (None: ``LOST_CONNECTION_RETRIES``,
-    with a short backoff; a poll that is its own retry loop wants 0). Only a lost connection is
-    retried, never a timeout: after a Redis restart every pooled connection is dead, and the
-    first command on each must reconnect rather than fail its request. (redis-py's ``from_url``
-    gives pooled connections no retry at all, unlike its constructor's default of 10.)
+    with a short backoff, on one node; the cluster client's own default on Cluster; a poll that is
+    its own retry loop wants 0). Only a lost connection is retried, never a timeout: after a Redis
+    restart every pooled connection is dead, and the first command on each must reconnect rather
+    than fail its request. (redis-py's ``from_url`` gives pooled connections no retry at all,
+    unlike its constructor's default of 10.)
     """
     kw = dict(
         socket_connect_timeout=timeout_s,
@@ -174,14 +175,18 @@ def connect_redis(url: str, *, timeout_s: float = 1.0, block_margin_s: float = 5
         # (Per node on Cluster.)
         max_connections=MAX_REDIS_CONNECTIONS,
     )
-    backoff = NoBackoff() if retries is not None else ExponentialWithJitterBackoff(base=0.01, cap=0.25)
-    retries = LOST_CONNECTION_RETRIES if retries is None else retries
-    kw["retry"] = Retry(backoff, retries, supported_errors=(RedisConnectionError,))
     if is_cluster_url(check_redis_url(url)):
         from redis.asyncio.cluster import ClusterNode, RedisCluster
 
+        # The cluster client's own retry (10, with backoff, on connection, timeout and
+        # cluster-down errors) is what rides out a failover: keep it unless told otherwise.
+        if retries is not None:
+            kw["retry"] = Retry(NoBackoff(), retries)
         first, nodes = _cluster_url_parts(url)
         return RedisCluster.from_url(first, startup_nodes=[ClusterNode(h, p) for h, p in nodes[1:]], **kw)
+    backoff = NoBackoff() if retries is not None else ExponentialWithJitterBackoff(base=0.01, cap=0.25)
+    retries = LOST_CONNECTION_RETRIES if retries is None else retries
+    kw["retry"] = Retry(backoff, retries, supported_errors=(RedisConnectionError,))
     return aioredis.Redis.from_url(url, **kw)
 
 

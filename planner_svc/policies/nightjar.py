@@ -251,7 +251,7 @@ class NightjarPolicy(GammaPolicy):
             tl.block = self.settings.prior_block
         self._prior_fit = _PriorFit(prior, self.settings.prior_fit_steps) if self.settings.prior_fit_steps else None
 
-    def _rescale_prior(self, fit: "_PriorFit") -> None:
+    def _rescale_prior(self, fit: _PriorFit) -> None:
         """The first pure-decode steps ran ``fit.scale()`` times the prior's figures (another
         machine, or the same one busier): seed a fresh cost model from the prior times that,
         then replay every step seen so far. Cells with live steps end as before; the arms and
