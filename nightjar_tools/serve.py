@@ -61,10 +61,7 @@ def add_stack_args(p: argparse.ArgumentParser, *, port: int, http_port: int | No
     p.add_argument("--device", default="cpu", help="the workers' device: cpu or cuda[:N] (on CUDA each worker runs its "
                    "engine loop in a child process)")
     p.add_argument("--dtype", default="float32", help="the workers' weights and KV cache: float32, bfloat16, float16")
-    p.add_argument("--prior-surface", default="auto",
-                   help="warm-start nightjar from this offline cost surface (scripts/bench_speculation.py's JSON); "
-                        "auto (default): the surface shipped for the model on this kind of device, if one is "
-                        "(the shipped pairs on CPU in float32); none: learn online from nothing")
+    add_prior_surface_arg(p)
     p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: (cores - 1) / workers, at least 1)")
     p.add_argument("--io-nice", type=int, default=StackConfig.io_nice,
                    help="niceness added to every service but the workers (default 0: equal priority; see docs/pipeline.md)")
@@ -104,6 +101,13 @@ def resolve_models(a: argparse.Namespace, p: argparse.ArgumentParser) -> tuple[P
     except ValueError as exc:
         fail(p, str(exc))
     return target, draft, model
+
+
+def add_prior_surface_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prior-surface", default="auto",
+                   help="warm-start nightjar from this offline cost surface (scripts/bench_speculation.py's JSON); "
+                        "auto (default): the surface shipped for the model on this kind of device, if one is "
+                        "(the shipped pairs on CPU in float32); none: learn online from nothing")
 
 
 def prior_surface(choice: str, target: Path, device: str = "cpu", dtype: str = "float32") -> Path | None:

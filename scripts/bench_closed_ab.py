@@ -31,7 +31,7 @@ from nightjar_tools.bench.compare import (CompareConfig, KeepPublished, Workload
                                           run_on_stack, speed_probe_ms, wait_idle, warm_up)
 from nightjar_tools.bench.probe import recording  # noqa: E402
 from nightjar_tools.bench.workload import PromptBank, build  # noqa: E402
-from nightjar_tools.serve import prior_surface  # noqa: E402
+from nightjar_tools.serve import add_prior_surface_arg, prior_surface  # noqa: E402
 
 
 def gamma_of(policy: str) -> int:
@@ -196,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--static-first", action="store_true",
                    help="start the planner-less stack first (the stack started first ran the same steps ~5%% slower: "
                         "BENCHMARKS.md, the live planner, fourth and fifth sessions)")
-    p.add_argument("--prior-surface", default="auto",
-                   help="nightjar's offline prior, as nightjar serve's: auto, none (learn from nothing), or a surface JSON")
+    add_prior_surface_arg(p)
     p.add_argument("--kv-budget-bytes", type=int, default=256 << 20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)

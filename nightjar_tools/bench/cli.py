@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from nightjar import paths
+from nightjar_tools.serve import add_prior_surface_arg, prior_surface
 
 # The static table (each entry: γ up to that batch size) is the offline sweep's best γ ≤ 4 (the
 # planner's γmax) per batch size (BENCHMARKS.md, Speculation: scripts/bench_speculation.py on
@@ -77,9 +78,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker (1 avoids OpenMP stalls on a busy machine)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker argument (repeatable), e.g. --worker-arg=--max-running=32")
     p.add_argument("--planner-arg", action="append", default=[], help="extra planner argument (repeatable)")
-    p.add_argument("--prior-surface", default="auto",
-                   help="nightjar's offline prior, as nightjar serve's: auto (the surface shipped for the target on "
-                        "the workers' device, if any), none (learn online from nothing), or a surface JSON")
+    add_prior_surface_arg(p)
     p.add_argument("--capacity-rps", type=float, default=None, help="skip the capacity probe")
     p.add_argument("--calibration", type=Path, default=None,
                    help="reuse the capacity and γ of an earlier results.json (skips both probes)")
@@ -144,8 +143,6 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
             kv_budget = kv_budget_for_share(a.draft_share, a.draft_model or paths.DEFAULT_DRAFT)
         except ValueError as exc:
             p.error(str(exc))
-    from nightjar_tools.serve import prior_surface
-
     worker = argparse.ArgumentParser(add_help=False)
     worker.add_argument("--device", default="cpu")
     prior = prior_surface(a.prior_surface, a.target_model, worker.parse_known_args(a.worker_arg)[0].device)

@@ -243,7 +243,7 @@ class NightjarPolicy(GammaPolicy):
         """Start the cost and acceptance models from an offline surface, and every bucket at the
         γ it predicts; live steps override both within a few dozen steps of a cell. Without a
         prior the policy starts at ``initial_gamma`` and learns everything online."""
-        self.cost.seed(list(prior.batch_sizes), [list(r) for r in prior.draft_ms], [list(r) for r in prior.verify_ms])
+        self._seed_cost(prior)
         if prior.acceptance:
             self.acceptance.seed(list(prior.acceptance))
         self._seed_unvisited()
@@ -256,13 +256,14 @@ class NightjarPolicy(GammaPolicy):
         machine, or the same one busier): seed a fresh cost model from the prior times that,
         then replay every step seen so far. Cells with live steps end as before; the arms and
         batch sizes not yet played are priced on this machine's scale instead of the prior's."""
-        scale = fit.scale()
-        prior = fit.prior
         self.cost = StepCostModel(self.settings.cost)
-        self.cost.seed(list(prior.batch_sizes), [[d * scale for d in r] for r in prior.draft_ms],
-                       [[v * scale for v in r] for r in prior.verify_ms])
+        self._seed_cost(fit.prior, fit.scale())
         for st in fit.seen:
             self._observe_cost(st)
+
+    def _seed_cost(self, prior: SurfacePrior, scale: float = 1.0) -> None:
+        self.cost.seed(list(prior.batch_sizes), [[d * scale for d in r] for r in prior.draft_ms],
+                       [[v * scale for v in r] for r in prior.verify_ms])
 
     # --- select --------------------------------------------------------------------------------
     def gamma_for(self, batch_size: int) -> int:
