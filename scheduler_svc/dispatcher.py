@@ -25,6 +25,14 @@ log = logging.getLogger("scheduler")
 
 CLOCK_SYNC_S = 10.0  # re-measure Redis' clock this often (hosts drift slowly)
 
+# KEYS: the worker's assignment set, its inbox, the workers set; ARGV: the worker.
+FORGET_WORKER = """
+if redis.call('SCARD', KEYS[1]) > 0 then return 0 end
+redis.call('DEL', KEYS[2])
+redis.call('SREM', KEYS[3], ARGV[1])
+return 1
+"""
+
 
 class Dispatcher:
     """- a job is XACKed (and deleted) in the same MULTI that puts it in a worker's inbox and records
@@ -311,11 +319,15 @@ class Dispatcher:
                 self._assign(pipe, job.replace(attempt=job.attempt + 1), target, now_ms())
             pipe.srem(k.worker_assignments(dead_worker), rid)
             await pipe.execute()
-        if not await self.redis.scard(k.worker_assignments(dead_worker)):
-            # Forget the worker; its inbox held only jobs that now live elsewhere.
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.delete(k.inbox(dead_worker))
-                pipe.srem(k.workers, dead_worker)
-                await pipe.execute()
-            log.info("worker %s is gone (heartbeat expired or stalled); forgotten", dead_worker)
+        if not await self.forget(dead_worker):
+            return False  # a job reached it meanwhile: the next check moves it
+        log.info("worker %s is gone (heartbeat expired or stalled); forgotten", dead_worker)
         return True
+
+    async def forget(self, worker: str) -> bool:
+        """Delete ``worker``'s inbox and membership if it holds no assignment, in one step: the
+        dispatch loop may still put a job there from the view before this check (and a
+        check-then-delete lost such a job for good once the worker heartbeat again)."""
+        k = self.keys
+        return bool(await self.redis.eval(FORGET_WORKER, 3, k.worker_assignments(worker), k.inbox(worker), k.workers,
+                                          worker))

@@ -166,6 +166,23 @@ async def test_dead_workers_jobs_go_to_a_live_worker_with_attempt_plus_one(env):
     assert await redis.smembers(keys.workers) == {b"heir"}
 
 
+async def test_forgetting_a_dead_worker_keeps_a_job_that_reached_its_inbox_meanwhile(env):
+    """The dispatch loop can still pick a worker the watch loop has just found dead (its view is
+    one check old): such a job must stay where the worker, heartbeating again, will read it."""
+    sched, redis, keys = env
+    await beat(redis, keys, "back")
+    await sched.refresh_workers()
+    async with redis.pipeline(transaction=True) as pipe:
+        sched._assign(pipe, job("late"), "back", now_ms())
+        await pipe.execute()
+    assert not await sched.forget("back")
+    assert [j.request_id for j in await inbox_jobs(redis, keys, "back")] == ["late"]
+    assert await redis.sismember(keys.workers, "back")
+    await redis.srem(keys.worker_assignments("back"), "late")  # finished
+    assert await sched.forget("back")
+    assert not await redis.exists(keys.inbox("back")) and not await redis.sismember(keys.workers, "back")
+
+
 async def test_the_deadline_budget_counts_the_time_in_the_queue(env):
     sched, redis, keys = env
     await sched.clock.sync(redis)

@@ -94,7 +94,12 @@ async def _streams_through(stack: Stack, fail_over: Callable[[], None]):
         await asyncio.to_thread(fail_over)
         results = await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE_S + 30)
     async with AsyncClient(stack.address) as c:
-        after = list((await c.generate(PROMPTS[0], max_tokens=N_TOKENS, ignore_eos=True, deadline_s=60)).token_ids)
+        try:
+            after = list((await c.generate(PROMPTS[0], max_tokens=N_TOKENS, ignore_eos=True, deadline_s=60)).token_ids)
+        except sdk.NightjarError as exc:  # what each service saw is the only clue to why
+            tails = "\n".join(f"== {svc.log_path.name}\n{svc.log_path.read_text(errors='replace')[-3000:]}"
+                              for svc in stack.services)
+            raise AssertionError(f"the request after it failed: {exc!r}\n{tails}") from exc
     return reference, results, after
 
 
