@@ -28,6 +28,16 @@ COST_SURFACES = ROOT / "planner_svc" / "cost_surfaces"
 SHIPPED_SURFACES = {SERVE_TARGET: COST_SURFACES / "cpu_serve.json", TINY_TARGET: COST_SURFACES / "cpu_tiny.json"}
 
 
+def cost_surface(name_or_path: str) -> Path | None:
+    """``--prior-surface``'s value as a file: ``none`` (no prior), the name of a shipped surface
+    (``cpu_serve``: planner_svc/cost_surfaces/cpu_serve.json, in a checkout or an installed
+    image), or a path."""
+    if name_or_path.lower() == "none":
+        return None
+    shipped = COST_SURFACES / f"{name_or_path}.json"
+    return shipped if "/" not in name_or_path and shipped.is_file() else Path(name_or_path)
+
+
 def shipped_surface(target: Path, device: str = "cpu", dtype: str = "float32") -> Path | None:
     """The cost surface shipped for ``target`` served on ``device`` in ``dtype``, if there is one."""
     if device != "cpu" or dtype != "float32":

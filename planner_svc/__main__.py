@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from nightjar.paths import cost_surface
 from nightjar.service_util import add_common_args, env_defaults, run_redis_loop, service_main
 from planner_svc.config import PlannerConfig
 from planner_svc.policies import SPECS
@@ -20,18 +21,22 @@ def parse_config(argv: list[str]) -> PlannerConfig:
     p.add_argument("--buckets", default=",".join(map(str, PlannerConfig().buckets)),
                    help="batch-size bucket upper bounds, ascending, comma-separated")
     p.add_argument("--consumer", default=None, help="consumer name in the stats group (default: unique per process)")
-    p.add_argument("--prior-surface", default=None,
-                   help="warm-start nightjar from this offline cost surface (JSON of scripts/bench_speculation.py, "
-                        "measured on the same machine and models); default: learn online from nothing")
+    p.add_argument("--prior-surface", default="none",
+                   help="warm-start nightjar from an offline cost surface of the served models: a JSON file of "
+                        "scripts/bench_speculation.py, or a shipped one by name (cpu_serve, cpu_tiny: the shipped "
+                        "pairs on CPU in float32); another machine's is rescaled by the first live steps. "
+                        "none (default): learn online from nothing")
     add_common_args(p, env)
     a = p.parse_args(argv)
     extra = {"consumer": a.consumer} if a.consumer else {}
     try:
         buckets = tuple(int(x) for x in a.buckets.split(",") if x.strip())
+        prior = cost_surface(a.prior_surface)
+        prior = None if prior is None else str(prior)
         return PlannerConfig(redis_url=a.redis_url, key_prefix=a.key_prefix, policy=a.policy, gamma_max=a.gamma_max,
                              ttl_s=a.ttl_s, seed=a.seed, buckets=buckets, metrics_port=a.metrics_port,
                              metrics_host=a.metrics_host or "127.0.0.1",
-                             log_level=a.log_level, log_format=a.log_format, prior_surface=a.prior_surface, **extra)
+                             log_level=a.log_level, log_format=a.log_format, prior_surface=prior, **extra)
     except ValueError as exc:
         p.error(str(exc))
 

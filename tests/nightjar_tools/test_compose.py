@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from nightjar import paths
 from nightjar_client import health
 from nightjar_tools.cli import COMMANDS
 
@@ -204,6 +205,21 @@ def test_service_command_exists_and_parses(service, config, monkeypatch, capsys)
     ns = vars(parsed.value.namespace)
     assert ns.get("redis_url") == REDIS_URL, "NIGHTJAR_REDIS_URL must reach the service"
     assert ns.get("metrics_port") == 9100
+
+
+def test_the_planner_warm_starts_from_the_surface_of_the_default_worker(config):
+    """The planner's default prior is the surface measured for the pair the default worker serves
+    (CPU, float32), and the image carries it (package data)."""
+    from planner_svc.__main__ import parse_config
+
+    worker = config["services"]["worker"]["command"]
+    target = Path(worker[worker.index("--target") + 1])
+    assert [worker[worker.index(f) + 1] for f in ("--device", "--dtype")] == ["cpu", "float32"]
+    assert paths.shipped_surface(paths.MODELS_DIR / target.name) == paths.COST_SURFACES / "cpu_serve.json"
+    planner = config["services"]["planner"]["command"]
+    cfg = parse_config(planner[2:])
+    assert Path(cfg.prior_surface) == paths.COST_SURFACES / "cpu_serve.json" and cfg.surface_prior() is not None
+    assert "cost_surfaces/*.json" in (ROOT / "pyproject.toml").read_text()
 
 
 def test_dockerfile_installs_every_package():

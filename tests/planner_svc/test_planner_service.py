@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
+from nightjar import paths
 from nightjar.keys import Keys
 from nightjar.messages import Policy, StepStats
 from planner_svc.__main__ import parse_config
@@ -151,6 +153,18 @@ def test_cli_rejects_bad_input_and_builds_a_config(capsys):
         parse_config(["--ttl-s", "0"])
     cfg = parse_config(["--policy", "table:1=4,16=0", "--gamma-max", "6", "--redis-url", "redis://h:1/0"])
     assert cfg.policy == "table:1=4,16=0" and cfg.gamma_max == 6 and cfg.republish_s == pytest.approx(10 / 3)
+    assert cfg.prior_surface is None and cfg.surface_prior() is None  # no prior unless asked
+
+
+def test_cli_takes_a_prior_surface_by_shipped_name_or_path(tmp_path, capsys):
+    by_name = parse_config(["--prior-surface", "cpu_tiny"])
+    assert Path(by_name.prior_surface) == paths.COST_SURFACES / "cpu_tiny.json" and by_name.surface_prior() is not None
+    by_path = parse_config(["--prior-surface", str(paths.COST_SURFACES / "cpu_serve.json")])
+    assert by_path.surface_prior() is not None
+    assert parse_config(["--prior-surface", "none"]).prior_surface is None
+    with pytest.raises(SystemExit):
+        parse_config(["--prior-surface", "cpu_nonesuch"])
+    assert "cpu_nonesuch" in capsys.readouterr().err
 
 
 async def test_corrupt_saved_state_starts_fresh(r, redis_url, key_prefix):
