@@ -284,7 +284,7 @@ class Dispatcher:
 
     async def redispatch(self, dead_worker: str) -> bool:
         """Send every unfinished job of a dead (or stalled) worker to a live one (attempt + 1);
-        False when some must wait for a live worker."""
+        False when some must wait: for a live worker, or a job that reached it meanwhile."""
         k = self.keys
         rids = [r.decode() for r in await self.redis.smembers(k.worker_assignments(dead_worker))]
         for rid in rids:

@@ -156,7 +156,7 @@ def test_cli_rejects_bad_input_and_builds_a_config(capsys):
     assert cfg.prior_surface is None and cfg.surface_prior() is None  # no prior unless asked
 
 
-def test_cli_takes_a_prior_surface_by_shipped_name_or_path(tmp_path, capsys):
+def test_cli_takes_a_prior_surface_by_shipped_name_or_path(capsys):
     by_name = parse_config(["--prior-surface", "cpu_tiny"])
     assert Path(by_name.prior_surface) == paths.COST_SURFACES / "cpu_tiny.json" and by_name.surface_prior() is not None
     by_path = parse_config(["--prior-surface", str(paths.COST_SURFACES / "cpu_serve.json")])

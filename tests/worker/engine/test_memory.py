@@ -208,8 +208,8 @@ def test_fifty_cycles_leave_memory_and_blocks_where_they_started(tight):
     while eng.has_unfinished():
         eng.step()
     grown = _rss_bytes() - rss0
-    # A copy kept per cycle would grow RSS by 50 copies; the allocator's own free lists and arenas
-    # hold a copy or so of slack (CI saw 1.7 copies), so the bound is 3 copies.
+    # A copy kept per cycle would grow RSS by 50 copies; the allocator's free lists and arenas
+    # keep a copy or two of slack, so the bound is 3 copies.
     assert grown < 3 * mem.mover.nbytes, f"RSS grew {grown / 2**20:.1f} MiB over 50 cycles (one draft copy is " \
                                          f"{mem.mover.nbytes / 2**20:.1f} MiB)"
     rep = mem.report()
