@@ -32,11 +32,10 @@ def parse_config(argv: list[str]) -> PlannerConfig:
     try:
         buckets = tuple(int(x) for x in a.buckets.split(",") if x.strip())
         prior = cost_surface(a.prior_surface)
-        prior = None if prior is None else str(prior)
         return PlannerConfig(redis_url=a.redis_url, key_prefix=a.key_prefix, policy=a.policy, gamma_max=a.gamma_max,
                              ttl_s=a.ttl_s, seed=a.seed, buckets=buckets, metrics_port=a.metrics_port,
                              metrics_host=a.metrics_host or "127.0.0.1",
-                             log_level=a.log_level, log_format=a.log_format, prior_surface=prior, **extra)
+                             log_level=a.log_level, log_format=a.log_format, prior_surface=prior and str(prior), **extra)
     except ValueError as exc:
         p.error(str(exc))
 

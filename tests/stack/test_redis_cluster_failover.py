@@ -97,14 +97,15 @@ async def _streams_through(stack: Stack, fail_over: Callable[[], None]):
         try:
             after = list((await c.generate(PROMPTS[0], max_tokens=N_TOKENS, ignore_eos=True, deadline_s=60)).token_ids)
         except sdk.NightjarError as exc:  # what each service saw is the only clue to why
-            tails = "\n".join(f"== {svc.log_path.name}\n{svc.log_path.read_text(errors='replace')[-3000:]}"
-                              for svc in stack.services)
-            raise AssertionError(f"the request after it failed: {exc!r}\n{tails}") from exc
+            raise AssertionError(f"the request after it failed: {exc!r}\n{_logs(stack, tail=3000)}") from exc
     return reference, results, after
 
 
-def _logs(stack: Stack) -> str:
-    return "\n".join(svc.log_path.read_text(errors="replace") for svc in stack.services)
+def _logs(stack: Stack, tail: int | None = None) -> str:
+    """Every service's log (with ``tail``, its last ``tail`` characters, under its name)."""
+    if tail is None:
+        return "\n".join(svc.log_path.read_text(errors="replace") for svc in stack.services)
+    return "\n".join(f"== {svc.log_path.name}\n{svc.log_path.read_text(errors='replace')[-tail:]}" for svc in stack.services)
 
 
 @pytest.mark.slow
