@@ -51,14 +51,22 @@ def cpu_seconds(stack) -> dict[str, float]:
     return out
 
 
-async def run_learner(stack, wl, texts: list[str], cfg: CompareConfig, label: str, record_to: Path | None):
-    """``run_on_stack`` on the nightjar stack; with ``record_to``, its engine steps saved there
-    (replay format, ``probe.recording``)."""
+async def run_recorded(stack, wl, texts: list[str], cfg: CompareConfig, label: str, record_to: Path | None):
+    """``run_on_stack``; with ``record_to``, the run's engine steps saved there (replay format,
+    ``probe.recording``)."""
     seen: list = []
     result, steps = await run_on_stack(stack, wl, texts, cfg, label, steps_into=seen)
     if record_to is not None:
         record_to.write_text(json.dumps(recording(seen, f"bench_closed_ab {label}, started {result.started_unix:.3f}")))
     return result, steps
+
+
+def record_path(out: Path, clients: int, run: str, policy: str) -> Path:
+    """Where ``--record`` puts one run's steps: nightjar's as steps_closedC_RUN.json (RUN: roundR
+    or settle; what replays read), a static policy's with its name after
+    (steps_closedC_roundR_fixed-1.json)."""
+    tail = "" if policy == "nightjar" else "_" + policy.replace(":", "-")
+    return out / f"steps_closed{clients}_{run}{tail}.json"
 
 
 async def run(a: argparse.Namespace, out: Path) -> list[dict]:
@@ -87,8 +95,8 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
             if a.settle_s > 0:  # the learner's first minute at this load, uncounted (reported)
                 await wait_idle(learner)
                 settle = dataclasses.replace(wl, warmup_s=0.0, duration_s=a.settle_s)
-                result, steps = await run_learner(learner, settle, texts, cfg, f"settle | closed:{c}",
-                                                  out / f"steps_closed{c}_settle.json" if a.record else None)
+                result, steps = await run_recorded(learner, settle, texts, cfg, f"settle | closed:{c}",
+                                                   record_path(out, c, "settle", "nightjar") if a.record else None)
                 r = report.summarize(result, steps, warmup_s=0.0)
                 print(f"closed:{c} settle, {a.settle_s:g} s uncounted: nightjar {r['tokens_per_s']:.1f} tok/s, "
                       f"{steps['gamma_switches']} switches / {steps['steps']} steps", file=sys.stderr, flush=True)
@@ -99,13 +107,13 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
                     await wait_idle(stack)
                     speed = speed_probe_ms()
                     cpu0 = cpu_seconds(stack)
+                    record_to = record_path(out, c, f"round{rnd}", policy) if a.record else None
                     if policy == "nightjar":
-                        result, steps = await run_learner(stack, wl, texts, cfg, f"{policy} | closed:{c}",
-                                                          out / f"steps_closed{c}_round{rnd}.json" if a.record else None)
+                        result, steps = await run_recorded(stack, wl, texts, cfg, f"{policy} | closed:{c}", record_to)
                     else:
                         version += 100_000
                         async with KeepPublished(stack, gamma_of(policy), name=policy, first_version=version):
-                            result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | closed:{c}")
+                            result, steps = await run_recorded(stack, wl, texts, cfg, f"{policy} | closed:{c}", record_to)
                     cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_seconds(stack).items()}
                     r = report.summarize(result, steps, warmup_s=wl.warmup_s)
                     rows.append({"clients": c, "round": rnd, "policy": policy, "tokens_per_s": r["tokens_per_s"],
@@ -189,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="before each client count's rounds, run nightjar alone this long, uncounted: steady "
                         "load starts after the cold planner's learning (how long that takes is [headline]'s learning row)")
     p.add_argument("--record", action="store_true",
-                   help="also save each nightjar run's engine steps (steps_closedC_roundR.json, replay format)")
+                   help="also save each run's engine steps (replay format): nightjar's as steps_closedC_roundR.json, "
+                        "a static policy's as steps_closedC_roundR_POLICY.json")
     p.add_argument("--rounds-per-repeat", type=int, default=1,
                    help="consecutive rounds pooled into one repeat's ratio: short rounds interleave the "
                         "policies more finely against the machine's drift (BENCHMARKS.md, the live planner)")

@@ -483,15 +483,19 @@ class NightjarPolicy(GammaPolicy):
                      and hopeful[a] <= loss[base] * (1.0 + s.probe_margin)]
         near = [a for a in (base - 1, base + 1) if 0 <= a <= self.gamma_max]
         promising = [a for a in range(self.gamma_max + 1) if a != base and hopeful[a] < loss[base]]
-        if uncertain:
-            arm = min(uncertain, key=lambda a: hopeful[a])
-        elif promising:
-            # An arm that may beat the arm in force, on what is known of it so far, is probed
-            # at the schedule's full rate: at batch 1 a deeper γ's last acceptance position is
-            # learned only from its own probes, a few trials each, and at ε_min it stayed
-            # underrated (the budget below still holds the rate down where probes are dear).
-            arm = min(promising, key=lambda a: hopeful[a])
-            eps = max(eps, s.epsilon0)
+        if uncertain or promising:
+            # An arm barely measured here first, else one that may beat the arm in force on what
+            # is known of it so far. Among them the one played least recently goes first: always
+            # the most hopeful one starved the others, since an optimistic acceptance keeps a deep
+            # γ the most hopeful arm at any batch (live at 48 clients, γ = 0, priced in the load
+            # jump, was never probed again while γ = 2 and 3 were).
+            arm = min(uncertain or promising, key=lambda a: (tl.last_played[a], hopeful[a]))
+            if not uncertain:
+                # A promising arm is probed at the schedule's full rate: at batch 1 a deeper γ's
+                # last acceptance position is learned only from its own probes, a few trials
+                # each, and at ε_min it stayed underrated (the budget below still holds the rate
+                # down where probes are dear).
+                eps = max(eps, s.epsilon0)
         else:
             if not near:
                 return None

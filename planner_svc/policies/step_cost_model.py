@@ -5,6 +5,7 @@ draft term), learned online from StepStats.
 from __future__ import annotations
 
 import bisect
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -17,12 +18,18 @@ class StepCostSettings:
     max_tokens: int = 2048  # largest n = B·(γ+1) tracked; beyond it, the last cell
     weight_cap: float = 64.0  # running mean becomes an EMA over ~this many observations per cell
     draft_prior_ratio: float = 0.25  # a draft pass ≈ this · v(B) until one has been observed
+    # A cell's weight halves for every this many steps (of any cell) in which it was not observed:
+    # an arm measured once, in a load transition or a slow minute of a shared machine, is then
+    # re-priced by its next probe instead of being nudged by 1/weight_cap per step.
+    half_life_steps: float = 256.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 2:
             raise ValueError(f"max_tokens must be >= 2, got {self.max_tokens}")
         if not self.weight_cap >= 1:
             raise ValueError(f"weight_cap must be >= 1, got {self.weight_cap}")
+        if not self.half_life_steps > 0:
+            raise ValueError(f"half_life_steps must be > 0, got {self.half_life_steps}")
         if not self.draft_prior_ratio > 0:
             raise ValueError(f"draft_prior_ratio must be > 0, got {self.draft_prior_ratio}")
 
@@ -52,21 +59,27 @@ class _Curve:
     ``flatnonzero`` on every fit. ``predict`` builds numpy knots from them once per change.
     """
 
-    def __init__(self, size: int, cap: float) -> None:
+    def __init__(self, size: int, cap: float, half_life: float = math.inf) -> None:
         self.mean = [0.0] * (size + 1)
         self.weight = [0.0] * (size + 1)
+        self.last = [0] * (size + 1)  # the step clock at the cell's last observation
         self.top = size  # largest x; larger ones land in this cell
         self.cap = cap
+        self.decay = 0.5 ** (1.0 / half_life)  # weight kept per step without an observation
         self.xs: list[int] = []  # x with weight != 0, ascending: the knots
         # predict()'s knots and end slopes, until the next observation: one decision predicts
         # several curves at several shapes between two steps.
         self._fit: tuple | None = None
 
-    def observe(self, x: int, value: float) -> None:
+    def observe(self, x: int, value: float, now: int = 0) -> None:
+        """One observation at step ``now`` of the caller's clock."""
         x = 1 if x < 1 else self.top if x > self.top else x
         seen = self.weight[x]
         if seen == 0:
             bisect.insort(self.xs, x)
+        elif now - self.last[x] > 1:
+            seen *= self.decay ** (now - self.last[x] - 1)
+        self.last[x] = now
         w = seen + 1.0
         if w > self.cap:
             w = self.cap
@@ -137,15 +150,16 @@ class _Curve:
 
     def state_dict(self) -> dict[str, Any]:
         return {"x": list(self.xs), "mean": [self.mean[x] for x in self.xs],
-                "weight": [self.weight[x] for x in self.xs]}
+                "weight": [self.weight[x] for x in self.xs], "last": [self.last[x] for x in self.xs]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], now: int = 0) -> None:
         xs = [int(x) for x in state.get("x", ())]
         if xs and min(xs) >= 0 and max(xs) < len(self.mean):
             self.mean = [0.0] * len(self.mean)
             self.weight = [0.0] * len(self.weight)
-            for x, m, w in zip(xs, state["mean"], state["weight"]):
-                self.mean[x], self.weight[x] = float(m), float(w)
+            self.last = [0] * len(self.last)
+            for x, m, w, t in zip(xs, state["mean"], state["weight"], state.get("last", [now] * len(xs))):
+                self.mean[x], self.weight[x], self.last[x] = float(m), float(w), int(t)
             self.xs = [x for x, w in enumerate(self.weight) if w != 0]
             self._fit = None
 
@@ -212,10 +226,12 @@ class StepCostModel:
 
     def __init__(self, settings: StepCostSettings = StepCostSettings()) -> None:
         self.settings = settings
-        self.verify = _Curve(settings.max_tokens, settings.weight_cap)
-        self.per_seq = _PerBatch(settings.max_tokens, settings.weight_cap)  # r(B)
-        self.draft_first = _Curve(settings.max_tokens, settings.weight_cap)  # d₁(B)
-        self.draft_next = _Curve(settings.max_tokens, settings.weight_cap)  # d₊(B)
+        curve = (settings.max_tokens, settings.weight_cap, settings.half_life_steps)
+        self.verify = _Curve(*curve)
+        self.per_seq = _PerBatch(*curve)  # r(B)
+        self.draft_first = _Curve(*curve)  # d₁(B)
+        self.draft_next = _Curve(*curve)  # d₊(B)
+        self.clock = 0  # steps observed: a cell's weight decays with the steps since it was seen
         # catch-up (switching) cost per event, as decayed sums
         self.catchup_ms_sum = 0.0
         self.catchup_tokens_sum = 0.0
@@ -225,16 +241,17 @@ class StepCostModel:
         self._arms_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def observe(self, batch_size: int, gamma: int, draft_ms: float, verify_ms: float) -> None:
+        self.clock += 1
         self._observe_verify(batch_size, batch_size * (gamma + 1), verify_ms)
         self._observe_draft(batch_size, gamma, draft_ms)
 
     def _observe_draft(self, batch_size: int, gamma: int, draft_ms: float) -> None:
         if gamma == 1:
-            self.draft_first.observe(batch_size, draft_ms)
+            self.draft_first.observe(batch_size, draft_ms, self.clock)
         elif gamma > 1:
             first = self.draft_first
             if first.empty:  # no first pass seen yet: split evenly
-                self.draft_next.observe(batch_size, draft_ms / gamma)
+                self.draft_next.observe(batch_size, draft_ms / gamma, self.clock)
                 return
             cell = batch_size if batch_size < first.top else first.top
             if first.weight[cell] > 0:
@@ -246,7 +263,7 @@ class StepCostModel:
                 target = self.verify.predict(b) + self.per_seq.predict(b)
                 d1 = float(self._draft_pass(first, b, float(batch_size), float(batch_size), target)[0, 0])
             rest = draft_ms - d1
-            self.draft_next.observe(batch_size, (rest if rest > 0.0 else 0.0) / (gamma - 1))
+            self.draft_next.observe(batch_size, (rest if rest > 0.0 else 0.0) / (gamma - 1), self.clock)
 
     def _observe_verify(self, batch_size: int, n: int, verify_ms: float) -> None:
         verify, per_seq = self.verify, self.per_seq
@@ -256,9 +273,9 @@ class StepCostModel:
         # a live stack's noisy, prefill-laden steps walked it apart into negative predicted step
         # times (BENCHMARKS.md, the live planner). r's bound applies where it is read (_PerBatch).
         if verify.weight[cell] > 0:  # r learns what v(n) leaves unexplained ...
-            per_seq.observe(batch_size, verify_ms - verify.mean[cell])
+            per_seq.observe(batch_size, verify_ms - verify.mean[cell], self.clock)
         rest = verify_ms - per_seq.value(batch_size)
-        verify.observe(n, rest if rest > 0.0 else 0.0)  # ... and v what r does
+        verify.observe(n, rest if rest > 0.0 else 0.0, self.clock)  # ... and v what r does
 
     def observe_mixed(self, batch_size: int, gamma: int, draft_ms: float, verify_ms: float, prefill_tokens: int) -> None:
         """A step whose target forward also prefilled new prompts (the engine mixes them).
@@ -268,6 +285,7 @@ class StepCostModel:
         c·prefill removed.
         """
         n = batch_size * (gamma + 1)
+        self.clock += 1
         self._observe_draft(batch_size, gamma, draft_ms)
         decode_ms = self._decode_ms(batch_size, n)
         if decode_ms is not None:
@@ -375,13 +393,14 @@ class StepCostModel:
                 "draft_next": self.draft_next.state_dict(),
                 "per_seq": self.per_seq.state_dict(),
                 "catchup": [self.catchup_ms_sum, self.catchup_tokens_sum, self.catchup_events],
-                "prefill": [self.prefill_ms_per_token, self.prefill_seen]}
+                "prefill": [self.prefill_ms_per_token, self.prefill_seen], "clock": self.clock}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.verify.load_state_dict(state.get("verify", {}))
-        self.draft_first.load_state_dict(state.get("draft_first", {}))  # (an older state's per-pass "draft" is relearned)
-        self.draft_next.load_state_dict(state.get("draft_next", {}))
-        self.per_seq.load_state_dict(state.get("per_seq", {}))
+        self.clock = int(state.get("clock", 0))  # (an older state's cells count as seen now)
+        self.verify.load_state_dict(state.get("verify", {}), self.clock)
+        self.draft_first.load_state_dict(state.get("draft_first", {}), self.clock)  # (an older state's per-pass "draft" is relearned)
+        self.draft_next.load_state_dict(state.get("draft_next", {}), self.clock)
+        self.per_seq.load_state_dict(state.get("per_seq", {}), self.clock)
         c = state.get("catchup", [0.0, 0.0, 0.0])
         self.catchup_ms_sum, self.catchup_tokens_sum, self.catchup_events = (float(x) for x in c)
         self.prefill_ms_per_token, self.prefill_seen = (float(x) for x in state.get("prefill", [0.0, 0.0]))

@@ -12,7 +12,7 @@ from nightjar.messages import Residency
 from planner_svc.policies import Context, NightjarPolicy, make_policy
 from planner_svc.policies.acceptance_estimate import AcceptanceEstimate
 from planner_svc.policies.residency import ResidencyController, ResidencySettings
-from planner_svc.policies.step_cost_model import StepCostModel
+from planner_svc.policies.step_cost_model import StepCostModel, StepCostSettings
 from planner_svc.simulator import load_table
 from tests.planner_svc.conftest import stats
 
@@ -102,6 +102,27 @@ def test_step_cost_model_shares_verify_cost_across_arms():
     # above the largest observation it extrapolates between flat and proportional
     high = model.step_ms(np.array([64.0]), 0)[0, 0]
     assert roof(32) <= high <= roof(32) * 2 + 1e-9
+
+
+def test_a_cell_not_observed_for_a_while_is_repriced_by_its_next_observations():
+    """A cell's weight halves per half-life of steps without it: 8 fresh steps of an arm last
+    measured 2,000 steps ago replace its old figure, where a running mean over 64 would have moved
+    an eighth of the way; a cell observed every step stays a mean over the last 64."""
+    model = StepCostModel(StepCostSettings(half_life_steps=256))
+    for _ in range(64):
+        model.observe(48, 0, 0.0, 100.0)  # γ=0 at batch 48, in a slow minute
+    for _ in range(2000):
+        model.observe(48, 1, 10.0, 150.0)  # then γ=1 only
+    for _ in range(8):
+        model.observe(48, 0, 0.0, 80.0)  # a probe of γ=0
+    assert model.step_ms(np.array([48.0]), 1)[0, 0] == pytest.approx(80.0, rel=0.03)
+    assert model.step_ms(np.array([48.0]), 1)[0, 1] == pytest.approx(160.0, rel=0.01)
+    state = model.state_dict()
+    restored = StepCostModel(StepCostSettings(half_life_steps=256))
+    restored.load_state_dict(state)
+    assert restored.clock == model.clock and restored.verify.last[48] == model.verify.last[48]
+    with pytest.raises(ValueError, match="half_life_steps"):
+        StepCostSettings(half_life_steps=0)
 
 
 def test_the_draft_cost_is_affine_in_gamma_and_a_deeper_gamma_is_priced_from_another_batch():
