@@ -112,7 +112,10 @@ class _Timeline:
         self.hist_scale = self.catchup_scale = 1.0
         self.bin_ms = 0.0
         self.bin_tokens = 0.0
+        self.bin_steps = 0
+        self.bin_catchup_ms = 0.0
         self.predicted = 0.0  # predicted loss of the bin's arm when the bin began
+        self.predicted_step_ms = 0.0  # ... and its step time (the loss times the tokens it expects)
         self.judge_ms = self.judge_predicted_ms = self.judge_tokens = 0.0  # exploit bins since the last change test
         self._support: tuple[np.ndarray, np.ndarray] | None = None  # support(), until hist changes
 
@@ -190,13 +193,15 @@ class NightjarPolicy(GammaPolicy):
     at bin ends, so γ changes at most twice per bin (probe and return). At a bin end the next bin
     exploits argmin L, switching only if the gain beats ``switch_margin`` plus the expected draft
     catch-up C amortised over the bin's tokens (and only to an arm with ``verify_plays`` recent
-    plays in the bucket: one measured long ago is probed first), and takes the busier neighbouring
+    plays in the bucket: one measured long ago is probed first; and only if a probe that just
+    measured it, priced at the step time it ran, confirms the gain), and takes the busier neighbouring
     bucket's γ when that is within ``table_margin`` (``rare_table_margin`` where this bucket has few
     of the neighbour's recent visits; a batch hovering at a boundary does not flip γ). With
-    probability ε_j = max(ε_min, ε_0/(1+j)) it is instead a short probe bin (bin_base steps) of the
-    cheapest uncertain arm predicted within ``probe_margin`` of the greedy one; else, at rate ε_0,
-    of an arm whose optimistic value beats the arm in force; else, at ε_min, of the neighbour γ±1
-    played least recently. Probes value arms optimistically: acceptance ``probe_optimism`` standard
+    probability ε_j = max(ε_min, ε_0/(1+j)) it is instead a short probe bin (bin_base steps) of an
+    uncertain arm (few plays here, or none for long) predicted within ``probe_margin`` of the greedy
+    one; else, at rate ε_0, of an arm whose optimistic value beats the arm in force (of either
+    kind, the one played least recently); else, at ε_min, of the neighbour γ±1 played least
+    recently. Probes value arms optimistically: acceptance ``probe_optimism`` standard
     errors up, the step model's optimistic extrapolation, and a step time
     ``probe_cost_optimism``/√(1 + n) lower for an arm with n recent plays in the bucket. A probe
     whose predicted extra time (its excess loss, plus C when it turns the draft on, or the catch-up
@@ -346,6 +351,8 @@ class NightjarPolicy(GammaPolicy):
             tl.bin_ms += draft_ms + max(verify_ms - prefill_ms, 0.0) + catchup_ms
             emitted = stats.emitted_tokens
             tl.bin_tokens += emitted if emitted > 1 else 1
+            tl.bin_steps += 1
+            tl.bin_catchup_ms += catchup_ms
         tl.steps_left -= 1
         if tl.steps_left <= 0:
             self._end_bin(tl, bucket)
@@ -380,6 +387,8 @@ class NightjarPolicy(GammaPolicy):
                     tl.block, tl.bin_index = 0, 0  # the world moved: explore again from the start
                 tl.judge_ms = tl.judge_predicted_ms = tl.judge_tokens = 0.0
         choice, verify = self._exploit_choice(tl, loss), None
+        if tl.probing and choice == tl.arm != tl.exploit_arm and not self._probe_confirms(tl, loss):
+            choice = tl.exploit_arm
         if choice != tl.exploit_arm and tl.recent_plays[choice] < s.verify_plays * tl.catchup_scale:
             # Measured too long ago to switch on: on a shared machine its figure may be from a
             # faster or slower minute than the arm in force. Probe it first; switch at the next
@@ -404,13 +413,32 @@ class NightjarPolicy(GammaPolicy):
         tl.bin_index += 1
         if tl.bin_index >= s.bins_per_block:
             tl.block, tl.bin_index = tl.block + 1, 0
-        tl.bin_ms = tl.bin_tokens = 0.0
+        tl.bin_ms = tl.bin_tokens = tl.bin_catchup_ms = 0.0
+        tl.bin_steps = 0
         tl.predicted = float(loss[tl.arm])
+        sizes, weights = tl.support()
+        tl.predicted_step_ms = tl.predicted * float(weights @ sizes) * self.acceptance.expected_tokens()[tl.arm]
         if tl.arm != old:
             self.switches += 1
         if self.bins_ended % 8 == 0:
             self._seed_unvisited()
         self.bins_ended += 1
+
+    def _probe_confirms(self, tl: _Timeline, loss: np.ndarray) -> bool:
+        """Whether the probe bin just ended, priced at the step time it ran, beats the arm in force.
+
+        The probe measured its arm beside the arm in force, in the same minute of a machine that
+        drifts by more than arms differ; the model alone compares an arm measured now with one
+        measured minutes ago (live at 16 clients: γ = 1 measured in a slow minute against γ = 2's
+        figure from a fast one). So the probe's arm is priced at its predicted loss times the
+        ratio of the step time it ran to the one predicted when it began. Tokens are the model's,
+        so a short bin's acceptance luck does not count, and the catch-up of a probe that turned
+        the draft on is left out (``_exploit_choice`` amortises it)."""
+        s = self.settings
+        if tl.bin_steps < s.bin_base // 2 or tl.predicted_step_ms <= 0:
+            return True  # too few steps to tell: the model decides
+        ran_ms = (tl.bin_ms - (tl.bin_catchup_ms if tl.exploit_arm == 0 else 0.0)) / tl.bin_steps
+        return tl.predicted * ran_ms / tl.predicted_step_ms * (1.0 + s.switch_margin) < loss[tl.exploit_arm]
 
     def _seed_unvisited(self) -> None:
         """Start never-visited buckets at the model's choice instead of the prior, capped by the
