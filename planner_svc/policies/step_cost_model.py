@@ -197,7 +197,9 @@ class StepCostModel:
     once compute-bound), and the draft's γ passes cost d₁(B) for the first and d₊(B) for each
     further one. All are learned as running means per n (per B for the draft) with a capped
     weight, i.e. a mean that turns into an exponential average of the last ``cap`` observations,
-    so old data decays as new data arrives. The curves are fitted non-decreasing (isotonic), since
+    so old data decays as new data arrives, and whose weight also halves every ``half_life_steps``
+    steps the cell goes unobserved, so the next observations of a cell last seen long ago count
+    for nearly all of it. The curves are fitted non-decreasing (isotonic), since
     more tokens never cost less.
     Between observed points the model interpolates linearly; beyond the observed range on either
     side it extrapolates with the slope of the nearest half of the range, clamped to [0, v/n] (flat
