@@ -620,3 +620,14 @@ def test_closed_ab_table_shows_the_same_arm_speed_of_the_two_stacks(tmp_path, ca
     assert bench_closed_ab.main(["--table-from", str(results)]) == 0
     line = capsys.readouterr().out.splitlines()[-1]
     assert "1.000, 0.800 (**0.900**) vs `off`" in line and "1.000, 1.250 (**1.125**)" in line
+
+
+def test_closed_ab_records_every_policy_beside_the_name_replays_read(tmp_path):
+    # --record keeps nightjar's steps where the replay tests read them, and each static policy's
+    # beside them, so the static runs can be taken apart the same way (BENCHMARKS.md, tenth session).
+    import bench_closed_ab
+
+    names = {p: bench_closed_ab.record_path(tmp_path, 48, "round3", p).name for p in ("nightjar", "off", "fixed:1")}
+    assert names == {"nightjar": "steps_closed48_round3.json", "off": "steps_closed48_round3_off.json",
+                     "fixed:1": "steps_closed48_round3_fixed-1.json"}
+    assert bench_closed_ab.record_path(tmp_path, 16, "settle", "nightjar").name == "steps_closed16_settle.json"
