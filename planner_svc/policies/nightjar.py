@@ -115,7 +115,7 @@ class _Timeline:
         self.bin_steps = 0
         self.bin_catchup_ms = 0.0
         self.predicted = 0.0  # predicted loss of the bin's arm when the bin began
-        self.predicted_step_ms = 0.0  # ... and its step time (the loss times the tokens it expects)
+        self.predicted_step_ms = 0.0  # ... and, in a probe bin, its step time (the loss times the tokens it expects)
         self.judge_ms = self.judge_predicted_ms = self.judge_tokens = 0.0  # exploit bins since the last change test
         self._support: tuple[np.ndarray, np.ndarray] | None = None  # support(), until hist changes
 
@@ -416,8 +416,10 @@ class NightjarPolicy(GammaPolicy):
         tl.bin_ms = tl.bin_tokens = tl.bin_catchup_ms = 0.0
         tl.bin_steps = 0
         tl.predicted = float(loss[tl.arm])
-        sizes, weights = tl.support()
-        tl.predicted_step_ms = tl.predicted * float(weights @ sizes) * self.acceptance.expected_tokens()[tl.arm]
+        tl.predicted_step_ms = 0.0  # only a probe's is read (_probe_confirms)
+        if tl.probing:
+            sizes, weights = tl.support()
+            tl.predicted_step_ms = tl.predicted * float(weights @ sizes) * self.acceptance.expected_tokens()[tl.arm]
         if tl.arm != old:
             self.switches += 1
         if self.bins_ended % 8 == 0:
