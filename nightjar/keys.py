@@ -128,5 +128,11 @@ class Keys:
         return f"{self.prefix}:planner:state"
 
     @property
+    def planner_hold(self) -> str:
+        """messages.PolicyHold, set with an expiry: a static policy the planner publishes instead
+        of its own while the key lives (``nightjar queue hold``; the one-stack bench)."""
+        return f"{self.prefix}:planner:hold"
+
+    @property
     def all_pattern(self) -> str:
         return f"{self.prefix}:*"

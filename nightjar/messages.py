@@ -249,6 +249,16 @@ class DeadLetter(Message):
     unix_ms: int = 0
 
 
+class PolicyHold(Message):
+    """A static policy for the planner to publish in place of its own while keys.planner_hold
+    lives (it is set with an expiry, so a holder that dies releases it): an operator's pin, or an
+    A/B window on one stack. The planner does not learn from the steps run under a hold, so its
+    own policy resumes where it stood (planner_svc.service)."""
+
+    policy: str  # a static planner_svc make_policy spec: off, fixed:G, threshold:B[:G], table:...
+    reason: str = ""
+
+
 class PlannerState(Message):
     """The planner's saved state (keys.planner_state): its policy's learned statistics, and the
     config they were learned under (resumed only by a planner with the same one)."""

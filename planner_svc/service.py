@@ -3,6 +3,9 @@
     read a batch of stats (XREADGROUP, own pending entries first after a restart)
     → policy.update(each) → XACK → publish if the table/residency changed or ttl/3 passed
     → save state (nightjar.messages.PlannerState) to keys.planner_state now and then
+
+While keys.planner_hold holds a messages.PolicyHold, the planner publishes that static policy
+instead of its own and learns nothing from the steps run under it.
 """
 
 from __future__ import annotations
@@ -14,15 +17,17 @@ import time
 from typing import Any
 
 from nightjar.keys import Keys
-from nightjar.messages import MessageError, PlannerState, Policy, StepStats
+from nightjar.messages import MessageError, PlannerState, Policy, PolicyHold, StepStats
 from nightjar.service_util import REDIS_LOST_ERRORS, write_and_publish
 from nightjar.streams import ensure_group
 from planner_svc.config import PlannerConfig
 from planner_svc.policies import GammaPolicy, make_policy
+from planner_svc.policies.static import StaticPolicy
 
 log = logging.getLogger("planner")
 STATS_FIELD = b"s"  # worker.service.loops writes XADD keys.stats {b"s": StepStats.encode()}
 VERSION_LIMIT = 2**63 - 1  # signed 64-bit, so any reader's integer type holds it
+HOLD_CHECK_S = 0.2  # how often keys.planner_hold is read: a GET, beside a read of up to 512 stats
 
 
 def new_epoch() -> str:
@@ -68,6 +73,11 @@ class PlannerService:
         self.processed = 0
         self.rejected = 0
         self._pending_first = True  # after a restart, re-read what we took but never acknowledged
+        self.hold: tuple[bytes, GammaPolicy] | None = None  # (the key's bytes, the static policy in force)
+        self.held_steps = 0  # stats read and not learned from: run under a hold
+        self._hold_checked_at = -HOLD_CHECK_S
+        self._learn_from_ms = 0  # stats stamped before this ran under a hold just lifted
+        self._bad_hold: bytes | None = None
 
     async def start(self) -> None:
         await ensure_group(self.redis, self.keys.stats, self.keys.planner_group)
@@ -101,14 +111,50 @@ class PlannerService:
         await self.redis.set(self.keys.planner_state, encode_state(self.cfg, self.version, self.policy, self.epoch))
         self.saved_at = time.monotonic()
 
+    @property
+    def in_force(self) -> GammaPolicy:
+        """The policy published: a hold's while one lives, else the planner's own."""
+        return self.hold[1] if self.hold else self.policy
+
     def current_policy(self) -> Policy:
+        p = self.in_force
         return Policy(version=self.version, unix_ms=now_ms(), ttl_s=self.cfg.ttl_s,
-                      bucket_upper_bounds=self.policy.buckets, gamma_by_bucket=self.policy.table(),
-                      residency=self.policy.residency(), name=self.policy.name, epoch=self.epoch)
+                      bucket_upper_bounds=self.policy.buckets, gamma_by_bucket=p.table(),
+                      residency=p.residency(), name=f"hold:{p.name}" if self.hold else p.name, epoch=self.epoch)
+
+    async def check_hold(self) -> None:
+        """Follow keys.planner_hold. The version and epoch stay the planner's own either way, so
+        workers take the hold and the release as any newer policy. A hold that is not a static
+        policy spec is logged once and counts as none."""
+        raw = await self.redis.get(self.keys.planner_hold)
+        if raw is not None and raw != (self.hold[0] if self.hold else None):
+            held = self._read_hold(raw)
+            if held is not None:
+                log.info("holding %s in place of %s", held.name, self.policy.name)
+                self.hold = (raw, held)
+                await self.publish(force=True)
+                return
+            raw = None
+        if raw is None and self.hold is not None:
+            log.info("hold on %s lifted; publishing %s again", self.hold[1].name, self.policy.name)
+            self.hold, self._learn_from_ms = None, now_ms()
+            await self.publish(force=True)
+
+    def _read_hold(self, raw: bytes) -> GammaPolicy | None:
+        try:
+            held = make_policy(PolicyHold.decode(raw).policy, gamma_max=self.cfg.gamma_max, buckets=self.policy.buckets)
+            if not isinstance(held, StaticPolicy):
+                raise ValueError(f"{held.name!r} learns; a hold must be a static policy (off, fixed:G, threshold:, table:)")
+            return held
+        except (MessageError, ValueError) as exc:
+            if raw != self._bad_hold:
+                self._bad_hold = raw
+                log.warning("ignoring the hold in %s: %s", self.keys.planner_hold, exc)
+            return None
 
     async def publish(self, force: bool = False) -> bool:
         """SET + PUBLISH a new version if the decision changed or a refresh is due."""
-        decision = (self.policy.table(), self.policy.residency())
+        decision = (self.in_force.table(), self.in_force.residency())
         changed = decision != self.published
         due = time.monotonic() - self.published_at >= self.cfg.republish_s
         if not (force or due or changed):
@@ -142,6 +188,9 @@ class PlannerService:
             self.rejected += 1
             log.warning("bad stats entry (%s); acknowledged and skipped", exc)
             return
+        if self.hold is not None or stats.unix_ms < self._learn_from_ms:
+            self.held_steps += 1
+            return
         self.policy.update(stats)
         self.processed += 1
 
@@ -161,6 +210,9 @@ class PlannerService:
                 self._apply(fields)
         if ids:
             await self.redis.xack(self.keys.stats, self.keys.planner_group, *ids)
+        if time.monotonic() - self._hold_checked_at >= HOLD_CHECK_S:
+            self._hold_checked_at = time.monotonic()
+            await self.check_hold()
         await self.publish()
         if time.monotonic() - self.saved_at >= self.cfg.save_interval_s and entries:
             await self.save_state()

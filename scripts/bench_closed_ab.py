@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""nightjar against every static γ in closed loops, paired in time: two stacks stay up side by side.
+"""nightjar against every static γ in closed loops, paired in time on one stack that stays up.
 
     .venv/bin/python scripts/bench_closed_ab.py [--clients 1,4,16,48] [--seconds 30] [--rounds 3]
 
 ``nightjar bench`` starts a fresh stack per policy, so one repeat's policies run minutes apart
 and, on a shared machine, the step time moves by more than they differ (BENCHMARKS.md, the live
-planner). Here both stacks stay up for the whole run and ratios are taken within a round (or a
+planner). Here the stack stays up for the whole run and ratios are taken within a round (or a
 repeat of ``--rounds-per-repeat`` short rounds). How a round runs and what it writes: ``run``.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -27,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from nightjar import paths  # noqa: E402
 from nightjar_tools.bench import report  # noqa: E402
-from nightjar_tools.bench.compare import (CompareConfig, KeepPublished, WorkloadPlan, RunningStack,  # noqa: E402
+from nightjar_tools.bench.compare import (CompareConfig, HeldByPlanner, KeepPublished, WorkloadPlan, RunningStack,  # noqa: E402
                                           run_on_stack, speed_probe_ms, wait_idle, warm_up)
 from nightjar_tools.bench.probe import recording  # noqa: E402
 from nightjar_tools.bench.workload import PromptBank, build  # noqa: E402
@@ -70,10 +71,14 @@ def record_path(out: Path, clients: int, run: str, policy: str) -> Path:
 
 
 async def run(a: argparse.Namespace, out: Path) -> list[dict]:
-    """One stack runs the nightjar planner and stays up for the whole run, as a server does; the
-    other has no planner and the bench publishes each static γ to it. Each round runs nightjar and
-    every static policy back to back, C clients for ``--seconds`` after ``--warmup-s`` of
-    warm-up, in alternating order. Prints one table per client count (``table``) and writes
+    """One stack runs the nightjar planner and stays up for the whole run, as a server does. For a
+    static policy's run its planner holds that policy (``HeldByPlanner``) and learns nothing from
+    it, so nightjar's runs see only their own steps, as if the static runs had not happened. With
+    ``--stacks 2`` the static policies run on a second stack without a planner instead, and the
+    bench publishes each γ there (two stacks at the same γ and batch drift 6-18% apart for
+    minutes: BENCHMARKS.md, the live planner, tenth session). Each round runs nightjar and every
+    static policy back to back, C clients for ``--seconds`` after ``--warmup-s`` of warm-up, in
+    alternating order. Prints one table per client count (``table``) and writes
     runs/bench/closed_ab-STAMP/results.json."""
     clients = [int(x) for x in a.clients.split(",")]
     statics = a.policies.split(",")
@@ -84,9 +89,13 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
     learner_cfg = cfg.stack_config("nightjar", out / "logs" / "nightjar")
     static_cfg = cfg.stack_config("off", out / "logs" / "static", planner=False)
     first, second = (static_cfg, learner_cfg) if a.static_first else (learner_cfg, static_cfg)
-    async with RunningStack(first) as one, RunningStack(second) as two:
-        learner, static = (two, one) if a.static_first else (one, two)
-        for stack in (learner, static):
+    async with contextlib.AsyncExitStack() as up:
+        if a.stacks == 1:
+            learner = static = await up.enter_async_context(RunningStack(learner_cfg))
+        else:
+            one, two = [await up.enter_async_context(RunningStack(c)) for c in (first, second)]
+            learner, static = (two, one) if a.static_first else (one, two)
+        for stack in dict.fromkeys((learner, static)):
             await warm_up(stack, cfg, bank)
         for c in clients:
             wl = build(f"closed:{c}", 1.0, a.seconds, seed=a.seed, scale=cfg.scale)
@@ -112,7 +121,9 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
                         result, steps = await run_recorded(stack, wl, texts, cfg, f"{policy} | closed:{c}", record_to)
                     else:
                         version += 100_000
-                        async with KeepPublished(stack, gamma_of(policy), name=policy, first_version=version):
+                        hold = (HeldByPlanner(stack, policy) if a.stacks == 1 else
+                                KeepPublished(stack, gamma_of(policy), name=policy, first_version=version))
+                        async with hold:
                             result, steps = await run_recorded(stack, wl, texts, cfg, f"{policy} | closed:{c}", record_to)
                     cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_seconds(stack).items()}
                     r = report.summarize(result, steps, warmup_s=wl.warmup_s)
@@ -202,8 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds-per-repeat", type=int, default=1,
                    help="consecutive rounds pooled into one repeat's ratio: short rounds interleave the "
                         "policies more finely against the machine's drift (BENCHMARKS.md, the live planner)")
+    p.add_argument("--stacks", type=int, choices=(1, 2), default=1,
+                   help="1: every policy on the planner's stack, static ones held by it; 2: static policies on a "
+                        "second stack without a planner (how the tables before the eleventh session were measured)")
     p.add_argument("--static-first", action="store_true",
-                   help="start the planner-less stack first (the stack started first ran the same steps ~5%% slower: "
+                   help="with --stacks 2, start the planner-less stack first (the stack started first ran the same steps ~5%% slower: "
                         "BENCHMARKS.md, the live planner, fourth and fifth sessions)")
     add_prior_surface_arg(p)
     p.add_argument("--kv-budget-bytes", type=int, default=256 << 20)

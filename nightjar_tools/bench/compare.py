@@ -24,7 +24,7 @@ from nightjar_tools.bench.loadgen import LoadConfig, LoadResult, model_info, run
 from nightjar_tools.bench.probe import StackProbe, summarize_steps
 from nightjar_tools.bench.workload import LengthScale, PromptBank, Workload, build
 from nightjar.keys import Keys
-from nightjar.messages import Policy, StepStats
+from nightjar.messages import Policy, PolicyHold, StepStats
 from nightjar.service_util import connect_redis, write_and_publish
 from nightjar_tools.stack import Stack, StackConfig
 from planner_svc.config import PlannerConfig
@@ -264,6 +264,65 @@ class KeepPublished:
             await asyncio.sleep(self.every_s)
             if not self._stopped:
                 await self._publish()
+
+
+class HeldByPlanner:
+    """Have a stack's own planner publish the static policy ``spec`` for a run, through
+    keys.planner_hold: one stack runs the learner and the static policies in turn, and the
+    planner learns nothing from the held steps (planner_svc.service). The key is set with an
+    expiry and refreshed, so a bench that dies lets the planner go back to its own policy."""
+
+    def __init__(self, stack: Stack, spec: str, every_s: float = 2.0, expire_s: float = 10.0,
+                 timeout_s: float = 10.0) -> None:
+        self.stack, self.spec, self.every_s, self.expire_s, self.timeout_s = stack, spec, every_s, expire_s, timeout_s
+        self.keys = Keys(stack.cfg.key_prefix)
+        self._redis = None
+        self._task: asyncio.Task | None = None
+        self._stopped = False
+
+    async def __aenter__(self) -> "HeldByPlanner":
+        self._redis = connect_redis(self.stack.redis_url)
+        try:
+            await self._set()
+            await self._until(lambda name: name == f"hold:{self.spec}", "take the hold")
+        except BaseException:
+            await self._redis.delete(self.keys.planner_hold)
+            await self._redis.aclose()
+            raise
+        self._task = asyncio.create_task(self._loop())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._stopped = True  # the flag as well as the cancel: KeepPublished.__aexit__
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait({self._task}, timeout=self.every_s + 5.0)
+        try:
+            await self._redis.delete(self.keys.planner_hold)
+            await self._until(lambda name: not name.startswith("hold:"), "lift the hold")
+        finally:
+            await self._redis.aclose()
+
+    async def _set(self) -> None:
+        await self._redis.set(self.keys.planner_hold, PolicyHold(self.spec, reason="bench").encode(),
+                              px=int(self.expire_s * 1000))
+
+    async def _until(self, ok, what: str) -> None:
+        """Wait until the published policy's name passes ``ok``, then a moment for the workers."""
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            raw = await self._redis.get(self.keys.policy)
+            if raw and ok(Policy.decode(raw).name):
+                await asyncio.sleep(0.3)  # the workers follow the policy channel
+                return
+            await asyncio.sleep(0.05)
+        raise RuntimeError(f"the stack's planner did not {what} ({self.spec}) within {self.timeout_s:g} s: is it running?")
+
+    async def _loop(self) -> None:
+        while not self._stopped:
+            await asyncio.sleep(self.every_s)
+            if not self._stopped:
+                await self._set()
 
 
 async def probe_gamma(stack: Stack, cfg: CompareConfig, bank: PromptBank, gamma_max: int) -> dict:

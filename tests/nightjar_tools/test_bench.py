@@ -631,3 +631,48 @@ def test_closed_ab_records_every_policy_beside_the_name_replays_read(tmp_path):
     assert names == {"nightjar": "steps_closed48_round3.json", "off": "steps_closed48_round3_off.json",
                      "fixed:1": "steps_closed48_round3_fixed-1.json"}
     assert bench_closed_ab.record_path(tmp_path, 16, "settle", "nightjar").name == "steps_closed16_settle.json"
+
+
+async def test_a_held_policy_is_published_by_the_stack_planner_and_lifted_after(redis_url, key_prefix):
+    # The one-stack bench runs each static policy through the stack's own planner (keys.planner_hold),
+    # and a bench that dies without lifting it lets the planner go back once the key expires.
+    from types import SimpleNamespace
+
+    import redis.asyncio as aioredis
+
+    from nightjar.messages import Policy
+    from nightjar_tools.bench.compare import HeldByPlanner
+    from planner_svc.config import PlannerConfig
+    from planner_svc.service import PlannerService
+
+    keys = Keys(key_prefix)
+    r = aioredis.Redis.from_url(redis_url)
+    service = PlannerService(PlannerConfig(redis_url=redis_url, key_prefix=key_prefix, policy="fixed:3",
+                                           consumer="p1", read_block_ms=20), r)
+    stop = asyncio.Event()
+    loop = asyncio.create_task(service.run(stop))
+    stack = SimpleNamespace(cfg=SimpleNamespace(key_prefix=key_prefix), redis_url=redis_url)
+
+    async def published() -> Policy:
+        return Policy.decode(await r.get(keys.policy))
+    try:
+        async with HeldByPlanner(stack, "fixed:1", every_s=0.2, expire_s=0.5):
+            await asyncio.sleep(1.0)  # past the expiry: the refresh keeps it
+            assert (await published()).name == "hold:fixed:1" and (await published()).gamma_by_bucket == (1,) * 7
+        assert (await published()).name == "fixed:3" and await r.get(keys.planner_hold) is None
+        dying = HeldByPlanner(stack, "off", every_s=60.0, expire_s=0.5)
+        await dying.__aenter__()
+        assert (await published()).gamma_by_bucket == (0,) * 7
+        dying._stopped = True
+        dying._task.cancel()
+        await dying._redis.aclose()
+        await asyncio.sleep(1.0)
+        assert (await published()).name == "fixed:3"
+        with pytest.raises(RuntimeError, match="did not take the hold"):  # no planner: a clear error
+            async with HeldByPlanner(SimpleNamespace(cfg=SimpleNamespace(key_prefix=key_prefix + "x"),
+                                                     redis_url=redis_url), "off", timeout_s=0.5):
+                pass
+    finally:
+        stop.set()
+        await loop
+        await r.aclose()

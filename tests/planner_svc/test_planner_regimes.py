@@ -160,6 +160,33 @@ def test_four_clients_after_a_long_spell_of_one_reach_the_deep_gamma(seed):
     assert ratio >= 0.97, ratio
 
 
+@pytest.mark.parametrize("seed", [0, 2])
+def test_four_clients_after_one_probe_the_shallower_gamma_the_prior_got_wrong(seed):
+    # Live (tenth session): warm-started from the shipped surface, four clients after one kept
+    # the one-client γ = 4 for three minutes (0.90x fixed:3); γ = 2 and 3 were never tried at
+    # batch 3-4. There the live steps ran 2.5x the surface's, and γ = 4 lost to γ = 2 by ~9% where
+    # the surface has it within 2%. Here the truth is that, the prior the surface as shipped:
+    # before a never-measured shallower γ got one probe at once, seeds 0 and 2 held γ = 4
+    # (0.945, 0.941x the best static).
+    surface = load_table(SURFACES / "cpu_serve.json", max_batch=256, draft_first_factor=2.5)
+    surface.draft_ms = [[x * 2.5 for x in row] for row in surface.draft_ms]
+    surface.verify_ms = [[x * 2.5 for x in row] for row in surface.verify_ms]
+    for b in range(2, len(surface.verify_ms)):
+        surface.verify_ms[b][3] *= 1.04
+        surface.verify_ms[b][4] *= 1.1
+    one, one_config = closed_loop(1, requests_per_client=300, seed=seed)
+    four, four_config = closed_loop(4, requests_per_client=100, seed=seed)
+    best_static = max(simulate(four, make_policy(p, gamma_max=4), surface, four_config).throughput_tps for p in STATIC)
+    policy = make_policy("nightjar", gamma_max=4, seed=seed)
+    policy.warm_start(load_table(SURFACES / "cpu_serve.json", max_batch=256).prior())
+    simulate(one, policy, surface, one_config)
+    rec = Recorder(policy)
+    ratio = simulate(four, rec, surface, four_config).throughput_tps / best_static
+    gammas = np.array([s.gamma for s in rec.seen if s.batch_size >= 3])
+    assert (gammas == 2).mean() >= 0.9, np.bincount(gammas)
+    assert ratio >= 0.97, ratio
+
+
 @pytest.mark.parametrize("unlucky_steps", [1, 3])
 def test_an_unlucky_start_at_batch_one_does_not_stick_at_gamma_zero(unlucky_steps):
     # Live at one client, the first steps can run slow (kernels built on first use) with every

@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from nightjar import paths
 from nightjar.keys import Keys
-from nightjar.messages import Policy, StepStats
+from nightjar.messages import Policy, PolicyHold, StepStats
 from planner_svc.__main__ import parse_config
 from planner_svc.config import PlannerConfig
 from planner_svc.service import PlannerService
@@ -78,6 +78,50 @@ async def test_bad_entries_are_acknowledged_and_skipped(r, redis_url, key_prefix
     await drain(service)
     assert service.rejected == 2 and service.processed == 1
     assert (await r.xpending(keys.stats, keys.planner_group))["pending"] == 0
+
+
+async def test_a_hold_publishes_a_static_policy_and_the_planner_resumes_unlearned(r, redis_url, key_prefix):
+    keys = Keys(key_prefix)
+    service = PlannerService(config(redis_url, key_prefix, "heuristic", gamma_max=4), r)
+    await service.start()
+    await service.publish(force=True)
+    own = Policy.decode(await r.get(keys.policy))
+    await r.set(keys.planner_hold, PolicyHold("fixed:1", reason="test").encode(), px=60_000)
+    await asyncio.sleep(0.25)  # the planner reads the hold key every HOLD_CHECK_S
+    await service.step_once(block_ms=10)
+    held = Policy.decode(await r.get(keys.policy))
+    assert held.name == "hold:fixed:1" and held.gamma_by_bucket == (1,) * 7
+    assert held.epoch == own.epoch and held.version > own.version
+    for _ in range(3):  # would take the heuristic's γ from 4 to 1, were it learned
+        await r.xadd(keys.stats, {b"s": step(4, 1, accepted=(0,)).encode()})
+    await drain(service)
+    assert service.held_steps == 3 and service.policy.table() == (4,) * 7
+    late = step(4, 1, accepted=(0,))  # ran under the hold, read after it lifted
+    await r.delete(keys.planner_hold)
+    await asyncio.sleep(0.002)
+    await service.check_hold()
+    back = Policy.decode(await r.get(keys.policy))
+    assert back.name == "heuristic" and back.gamma_by_bucket == (4,) * 7 and back.version > held.version
+    await r.xadd(keys.stats, {b"s": late.encode()})
+    await drain(service)
+    assert service.held_steps == 4 and service.policy.table() == (4,) * 7
+    await r.xadd(keys.stats, {b"s": step(4, 4, accepted=(2, 1, 0, 0)).encode()})
+    await drain(service)
+    assert service.policy.table() == (3,) * 7  # learning again
+
+
+@pytest.mark.parametrize("raw", [PolicyHold("ucb").encode(), PolicyHold("fixed:9").encode(), b"\xc1 not msgpack"])
+async def test_a_hold_that_is_not_a_static_policy_is_ignored(r, redis_url, key_prefix, raw):
+    keys = Keys(key_prefix)
+    service = PlannerService(config(redis_url, key_prefix, "fixed:2", gamma_max=4), r)
+    await service.start()
+    await r.set(keys.planner_hold, PolicyHold("off").encode())
+    await service.check_hold()
+    assert Policy.decode(await r.get(keys.policy)).name == "hold:off"
+    await r.set(keys.planner_hold, raw)  # a bad replacement lifts the hold it replaced
+    await service.check_hold()
+    now = Policy.decode(await r.get(keys.policy))
+    assert service.hold is None and now.name == "fixed:2" and now.gamma_by_bucket == (2,) * 7
 
 
 async def test_restart_resumes_state_and_version(r, redis_url, key_prefix):
