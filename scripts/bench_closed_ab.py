@@ -95,7 +95,7 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
         else:
             one, two = [await up.enter_async_context(RunningStack(c)) for c in (first, second)]
             learner, static = (two, one) if a.static_first else (one, two)
-        for stack in dict.fromkeys((learner, static)):
+        for stack in (learner,) if static is learner else (learner, static):
             await warm_up(stack, cfg, bank)
         for c in clients:
             wl = build(f"closed:{c}", 1.0, a.seconds, seed=a.seed, scale=cfg.scale)
