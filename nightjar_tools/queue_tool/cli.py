@@ -1,7 +1,8 @@
 """``nightjar queue``: read the live Redis state as tables or JSON; change it only when asked.
 
     nightjar queue ls | inflight | workers | policy | stats | model | dlq      [--json]
-    nightjar queue dlq requeue ID --yes | dlq purge --yes              (the only mutations)
+    nightjar queue dlq requeue ID --yes | dlq purge --yes              (the mutations: these,
+    nightjar queue hold fixed:2 --for 600 --yes | hold --release --yes   and the planner's hold)
     nightjar queue watch [--interval-s 1] [--iterations N]             (Ctrl-C stops)
 
 Connection: ``--redis-url``, ``--prefix`` and the TLS flags (``--help``); a ``redis+cluster://``
@@ -27,7 +28,7 @@ from nightjar.keys import Keys
 from nightjar.service_util import EnvDefaults, check_redis_url, connect_redis_sync, env_defaults, masked
 
 from . import render
-from .mutate import MutationError, purge, requeue
+from .mutate import MutationError, hold, purge, requeue
 from .reader import QueueReader
 
 VIEWS = {
@@ -75,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     rq.add_argument("--yes", action="store_true", help="really do it (without: say what would happen)")
     pg = dsub.add_parser("purge", parents=[common], help="delete every dead letter", formatter_class=fmt)
     pg.add_argument("--yes", action="store_true", help="really do it (without: say what would happen)")
+    h = sub.add_parser("hold", parents=[common], formatter_class=fmt,
+                       help="have the planner publish a static policy in place of its own for a while (--yes)",
+                       description="The planner publishes SPEC instead of its own policy until the hold expires or "
+                                   "is released, and learns nothing from the steps run under it.")
+    h.add_argument("spec", nargs="?", help="a static policy: off, fixed:G, threshold:B[:G], table:B=G,...")
+    h.add_argument("--for", dest="seconds", type=float, default=600.0, help="seconds until the hold lifts by itself")
+    h.add_argument("--release", action="store_true", help="lift the hold now")
+    h.add_argument("--yes", action="store_true", help="really do it (without: say what would happen)")
     w = sub.add_parser("watch", parents=[common], help="live dashboard of all views (Ctrl-C stops)",
                        formatter_class=fmt)
     w.add_argument("--interval-s", type=float, default=1.0, help="refresh interval")
@@ -126,6 +135,8 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
             return _watch(reader, console, args)
         if args.view == "dlq":
             return _dlq(reader, console, args)
+        if args.view == "hold":
+            return _hold(reader, console, args)
         _, method, view = VIEWS[args.view]
         doc = getattr(reader, method)(args.window) if args.view in ("stats", "workers") else getattr(reader, method)()
         _emit(console, doc, view, args.json)
@@ -171,16 +182,39 @@ def _dlq(reader: QueueReader, console: Console, args: argparse.Namespace) -> int
             text = (f"purged {result['purged']} dead letters" if not dry else
                     f"would purge {result['would_purge']} dead letters; add --yes to do it")
     except MutationError as exc:
-        if args.json:
-            console.file.write(json.dumps({"error": str(exc)}) + "\n")
-        else:
-            console.print(f"[red]nightjar queue: {exc}[/red]")
-        return 2
+        return _refused(console, args, exc)
     if args.json:
         console.file.write(json.dumps(result, sort_keys=True) + "\n")
     else:
         console.print(text)
     return 2 if dry else 0  # a refused mutation is not a success for a script
+
+
+def _hold(reader: QueueReader, console: Console, args: argparse.Namespace) -> int:
+    if (args.spec is None) == (not args.release):
+        console.print("[red]nightjar queue hold: give a policy spec or --release, not both[/red]")
+        return 2
+    try:
+        result = hold(reader.r, reader.keys, None if args.release else args.spec, args.seconds, dry_run=not args.yes)
+    except MutationError as exc:
+        return _refused(console, args, exc)
+    if args.json:
+        console.file.write(json.dumps(result, sort_keys=True) + "\n")
+    elif args.release:
+        held = result["held"] or "nothing"
+        console.print(f"released the hold on {held}" if args.yes else f"would release the hold on {held}; add --yes to do it")
+    else:
+        what = f"the planner to publish {args.spec} for {args.seconds:g} s"
+        console.print(f"told {what}" if args.yes else f"would tell {what}; add --yes to do it")
+    return 0 if args.yes else 2
+
+
+def _refused(console: Console, args: argparse.Namespace, exc: MutationError) -> int:
+    if args.json:
+        console.file.write(json.dumps({"error": str(exc)}) + "\n")
+    else:
+        console.print(f"[red]nightjar queue: {exc}[/red]")
+    return 2
 
 
 def _watch(reader: QueueReader, console: Console, args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""The only two operations of ``nightjar queue`` that change Redis (both need ``--yes``)."""
+"""The operations of ``nightjar queue`` that change Redis (each needs ``--yes``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import redis
 
 from nightjar.keys import Keys
-from nightjar.messages import DeadLetter, Job, MessageError
+from nightjar.messages import DeadLetter, Job, MessageError, PolicyHold
 
 from .reader import payload
 
@@ -55,3 +55,31 @@ def purge(r: redis.Redis, keys: Keys, dry_run: bool = False) -> dict[str, Any]:
             pipe.delete(keys.dead_letters)
             count, _ = pipe.execute()
     return {"action": "purge", "purged": 0 if dry_run else count, "would_purge": count, "dry_run": dry_run}
+
+
+MAX_HOLD_S = 24 * 3600.0
+
+
+def hold(r: redis.Redis, keys: Keys, spec: str | None, seconds: float, dry_run: bool = False) -> dict[str, Any]:
+    """Have the planner publish the static policy ``spec`` in place of its own for ``seconds``
+    (``spec`` None: lift a hold now). The key expires, so a forgotten hold ends by itself."""
+    from planner_svc.policies import make_policy
+    from planner_svc.policies.static import StaticPolicy
+
+    if spec is None:
+        held = r.get(keys.planner_hold)
+        result = {"action": "release", "held": PolicyHold.decode(held).policy if held else None, "dry_run": dry_run}
+        if not dry_run:
+            r.delete(keys.planner_hold)
+        return result
+    if not 0 < seconds <= MAX_HOLD_S:
+        raise MutationError(f"--for must be in (0, {MAX_HOLD_S:g}] seconds, got {seconds:g}")
+    try:  # the planner checks again against its own --gamma-max; 16 is the most any planner has
+        static = isinstance(make_policy(spec, gamma_max=16), StaticPolicy)
+    except ValueError as exc:
+        raise MutationError(str(exc)) from None
+    if not static:
+        raise MutationError(f"{spec!r} learns; a hold is a static policy: off, fixed:G, threshold:B[:G], table:B=G,...")
+    if not dry_run:
+        r.set(keys.planner_hold, PolicyHold(spec, reason="nightjar queue hold").encode(), px=int(seconds * 1000))
+    return {"action": "hold", "policy": spec, "seconds": seconds, "dry_run": dry_run}

@@ -115,7 +115,9 @@ class _Timeline:
         self.bin_steps = 0
         self.bin_catchup_ms = 0.0
         self.predicted = 0.0  # predicted loss of the bin's arm when the bin began
-        self.predicted_step_ms = 0.0  # ... and, in a probe bin, its step time (the loss times the tokens it expects)
+        self.predicted_step_ms = 0.0  # ... and its step time (the loss times the tokens it expects)
+        self.predicted_exploit = 0.0  # in a probe bin, the predicted loss of the arm in force when it began
+        self.exploit_speed = 0.0  # the last exploit bin's step time over its prediction (0: none yet)
         self.judge_ms = self.judge_predicted_ms = self.judge_tokens = 0.0  # exploit bins since the last change test
         self._support: tuple[np.ndarray, np.ndarray] | None = None  # support(), until hist changes
 
@@ -375,6 +377,8 @@ class NightjarPolicy(GammaPolicy):
             tl.steps_left = s.bin_base
             return
         loss = self.losses(bucket)
+        if not tl.probing and tl.bin_steps >= s.bin_base // 2 and tl.predicted_step_ms > 0:
+            tl.exploit_speed = self._speed(tl)
         if not tl.probing and tl.bin_tokens > 0 and tl.predicted > 0:
             # Judged over at least change_min_tokens: a short bin at a small batch misses its
             # prediction by 30% on acceptance luck alone, and each restart means 8-step bins
@@ -416,10 +420,9 @@ class NightjarPolicy(GammaPolicy):
         tl.bin_ms = tl.bin_tokens = tl.bin_catchup_ms = 0.0
         tl.bin_steps = 0
         tl.predicted = float(loss[tl.arm])
-        tl.predicted_step_ms = 0.0  # only a probe's is read (_probe_confirms)
-        if tl.probing:
-            sizes, weights = tl.support()
-            tl.predicted_step_ms = tl.predicted * float(weights @ sizes) * self.acceptance.expected_tokens()[tl.arm]
+        tl.predicted_exploit = float(loss[tl.exploit_arm])
+        sizes, weights = tl.support()
+        tl.predicted_step_ms = tl.predicted * float(weights @ sizes) * self.acceptance.expected_tokens()[tl.arm]
         if tl.arm != old:
             self.switches += 1
         if self.bins_ended % 8 == 0:
@@ -427,20 +430,29 @@ class NightjarPolicy(GammaPolicy):
         self.bins_ended += 1
 
     def _probe_confirms(self, tl: _Timeline, loss: np.ndarray) -> bool:
-        """Whether the probe bin just ended, priced at the step time it ran, beats the arm in force.
+        """Whether the probe bin just ended beats the arm in force, each priced at the speed it ran.
 
-        The probe measured its arm beside the arm in force, in the same minute of a machine that
-        drifts by more than arms differ; the model alone compares an arm measured now with one
-        measured minutes ago (live at 16 clients: γ = 1 measured in a slow minute against γ = 2's
-        figure from a fast one). So the probe's arm is priced at its predicted loss times the
-        ratio of the step time it ran to the one predicted when it began. Tokens are the model's,
-        so a short bin's acceptance luck does not count, and the catch-up of a probe that turned
-        the draft on is left out (``_exploit_choice`` amortises it)."""
+        The machine drifts by more than arms differ, and the model alone compares an arm measured
+        now with one measured minutes ago (live at 16 clients: γ = 1 measured in a slow minute
+        against γ = 2's figure from a fast one). Nor is the arm in force's loss after the probe a
+        fair reference: the probe's steps also move the terms the arms share (r(B)), so a probe
+        that ran slow raised the arm in force's price with its own (live at 4 clients: one slow
+        probe of γ = 4 moved the planner off γ = 2, 8% faster, for good). So both are taken as
+        predicted when the probe began, the probe's scaled by its step time over the prediction,
+        against the same ratio of the exploit bin just before it: the machine's speed that minute
+        cancels. Tokens are the model's, so a short bin's acceptance luck does not count; catch-up
+        is left out of both (``_exploit_choice`` prices it)."""
         s = self.settings
         if tl.bin_steps < s.bin_base // 2 or tl.predicted_step_ms <= 0:
             return True  # too few steps to tell: the model decides
-        ran_ms = (tl.bin_ms - (tl.bin_catchup_ms if tl.exploit_arm == 0 else 0.0)) / tl.bin_steps
-        return tl.predicted * ran_ms / tl.predicted_step_ms * (1.0 + s.switch_margin) < loss[tl.exploit_arm]
+        if tl.exploit_speed <= 0:  # no exploit bin measured yet: against the model's price now
+            return tl.predicted * self._speed(tl) * (1.0 + s.switch_margin) < loss[tl.exploit_arm]
+        return tl.predicted * self._speed(tl) / tl.exploit_speed * (1.0 + s.switch_margin) < tl.predicted_exploit
+
+    @staticmethod
+    def _speed(tl: _Timeline) -> float:
+        """The bin's step time, catch-up left out, over the one predicted when it began."""
+        return (tl.bin_ms - tl.bin_catchup_ms) / tl.bin_steps / tl.predicted_step_ms
 
     def _seed_unvisited(self) -> None:
         """Start never-visited buckets at the model's choice instead of the prior, capped by the

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from nightjar.keys import Keys
-from nightjar.messages import DeadLetter, Heartbeat, Job, OutputChunk, Policy, StepStats
+from nightjar.messages import DeadLetter, Heartbeat, Job, OutputChunk, Policy, PolicyHold, StepStats
 from nightjar.service_util import connect_redis_sync
 from nightjar_tools.queue_tool import main
 from planner_svc.policies.base import bucket_index
@@ -226,6 +226,23 @@ def test_dlq_list_requeue_and_purge(r, keys, q):
     assert code == 0 and "purged 1 dead letters" in text and r.xlen(keys.dead_letters) == 0
 
 
+def test_hold_sets_an_expiring_static_policy_for_the_planner_and_release_lifts_it(r, keys, q):
+    code, res = q("hold", "fixed:2", "--for", "60")  # without --yes: nothing changes
+    assert code == 2 and res["dry_run"] is True and r.get(keys.planner_hold) is None
+    code, res = q("hold", "fixed:2", "--for", "60", "--yes")
+    assert code == 0 and res == {"action": "hold", "policy": "fixed:2", "seconds": 60.0, "dry_run": False}
+    assert PolicyHold.decode(r.get(keys.planner_hold)).policy == "fixed:2"
+    assert 55_000 < r.pttl(keys.planner_hold) <= 60_000  # a forgotten hold ends by itself
+    for bad, says in ((["nightjar"], "learns"), (["fixed:x"], "integer"), (["off", "--for", "0"], "--for")):
+        code, res = q("hold", *bad, "--yes")
+        assert code == 2 and says in res["error"], res
+    assert PolicyHold.decode(r.get(keys.planner_hold)).policy == "fixed:2"  # refusals changed nothing
+    code, text = q("hold", "fixed:2", "--release", json_out=False)
+    assert code == 2 and "policy spec or --release" in text
+    code, text = q("hold", "--release", "--yes", json_out=False)
+    assert code == 0 and "released the hold on fixed:2" in text and r.get(keys.planner_hold) is None
+
+
 def test_read_only_views_change_nothing(r, keys, q):
     t = now_ms()
     r.xadd(keys.requests, {b"job": job("a", 1, 1, t).encode()})
@@ -274,7 +291,7 @@ def test_password_flag(key_prefix):
 
 
 def test_every_view_has_help_with_defaults(capsys):
-    for view in ("ls", "inflight", "workers", "policy", "stats", "model", "dlq", "watch"):
+    for view in ("ls", "inflight", "workers", "policy", "stats", "model", "dlq", "hold", "watch"):
         with pytest.raises(SystemExit) as exc:
             main([view, "--help"])
         assert exc.value.code == 0
