@@ -147,7 +147,8 @@ def table(rows: list[dict], statics: list[str], per: int = 1) -> str:
     (where statics tie this is the luckiest of several noisy runs, a bias against nightjar); and
     the ratio of run means. Beside them, the same-arm speed: per repeat, nightjar's ms per
     emitted token over the best static's in the cell (batch bucket, γ) where the static spent
-    most steps. Two stacks at the same γ and batch differ by 10-30% for minutes on this machine
+    most steps. Two stacks at the same γ and batch differ by 10-30% for minutes on this machine,
+    and on one stack nightjar's γ = 0 steps ran 5-7% slower than ``off``'s at 48 clients
     (BENCHMARKS.md, the live planner); where that ratio is far from 1 so is the throughput one,
     whatever the policy did."""
     lines = ["| clients | " + " | ".join(f"`{p}`" for p in statics) + " | `nightjar` | ÷ best static, per repeat (median) "
