@@ -21,8 +21,7 @@ from nightjar.messages import MessageError, PlannerState, Policy, PolicyHold, St
 from nightjar.service_util import REDIS_LOST_ERRORS, write_and_publish
 from nightjar.streams import ensure_group
 from planner_svc.config import PlannerConfig
-from planner_svc.policies import GammaPolicy, make_policy
-from planner_svc.policies.static import StaticPolicy
+from planner_svc.policies import GammaPolicy, make_policy, make_static_policy
 
 log = logging.getLogger("planner")
 STATS_FIELD = b"s"  # worker.service.loops writes XADD keys.stats {b"s": StepStats.encode()}
@@ -142,10 +141,8 @@ class PlannerService:
 
     def _read_hold(self, raw: bytes) -> GammaPolicy | None:
         try:
-            held = make_policy(PolicyHold.decode(raw).policy, gamma_max=self.cfg.gamma_max, buckets=self.policy.buckets)
-            if not isinstance(held, StaticPolicy):
-                raise ValueError(f"{held.name!r} learns; a hold must be a static policy (off, fixed:G, threshold:, table:)")
-            return held
+            return make_static_policy(PolicyHold.decode(raw).policy, gamma_max=self.cfg.gamma_max,
+                                      buckets=self.policy.buckets)
         except (MessageError, ValueError) as exc:
             if raw != self._bad_hold:
                 self._bad_hold = raw

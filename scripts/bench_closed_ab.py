@@ -87,12 +87,12 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
                         prior_surface=prior_surface(a.prior_surface, paths.DEFAULT_TARGET))
     bank, rows, version = PromptBank(), [], 0
     learner_cfg = cfg.stack_config("nightjar", out / "logs" / "nightjar")
-    static_cfg = cfg.stack_config("off", out / "logs" / "static", planner=False)
-    first, second = (static_cfg, learner_cfg) if a.static_first else (learner_cfg, static_cfg)
     async with contextlib.AsyncExitStack() as up:
         if a.stacks == 1:
             learner = static = await up.enter_async_context(RunningStack(learner_cfg))
         else:
+            static_cfg = cfg.stack_config("off", out / "logs" / "static", planner=False)
+            first, second = (static_cfg, learner_cfg) if a.static_first else (learner_cfg, static_cfg)
             one, two = [await up.enter_async_context(RunningStack(c)) for c in (first, second)]
             learner, static = (two, one) if a.static_first else (one, two)
         for stack in (learner,) if static is learner else (learner, static):
@@ -147,8 +147,7 @@ def table(rows: list[dict], statics: list[str], per: int = 1) -> str:
     (where statics tie this is the luckiest of several noisy runs, a bias against nightjar); and
     the ratio of run means. Beside them, the same-arm speed: per repeat, nightjar's ms per
     emitted token over the best static's in the cell (batch bucket, γ) where the static spent
-    most steps. Two stacks at the same γ and batch differ by 10-30% for minutes on this machine,
-    and on one stack nightjar's γ = 0 steps ran 5-7% slower than ``off``'s at 48 clients
+    most steps. It moves on its own: between two stacks, and on one stack too at 48 clients
     (BENCHMARKS.md, the live planner); where that ratio is far from 1 so is the throughput one,
     whatever the policy did."""
     lines = ["| clients | " + " | ".join(f"`{p}`" for p in statics) + " | `nightjar` | ÷ best static, per repeat (median) "

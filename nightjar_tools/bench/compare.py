@@ -228,25 +228,23 @@ async def _publish(stack: Stack, gamma: int, version: int, table: dict[int, int]
         await r.aclose()
 
 
-class KeepPublished:
-    """Hold a bench-published policy in force for a whole run: workers ignore a policy older
-    than their ``policy_ttl_s`` (10 s by default) and fall back to their default γ, so the bench
-    republishes it, as a planner does, every ``every_s`` with a fresh stamp and a higher version."""
+class _Refreshed:
+    """Something a run needs kept fresh in Redis: ``_refresh`` now, then every ``every_s`` until
+    ``_stop``."""
 
-    def __init__(self, stack: Stack, gamma: int = 0, table: dict[int, int] | None = None, name: str = "",
-                 every_s: float = 2.0, first_version: int = 1) -> None:
-        self.stack, self.gamma, self.table, self.name, self.every_s = stack, gamma, table, name, every_s
-        self.version = first_version
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
         self._task: asyncio.Task | None = None
         self._stopped = False
 
-    async def __aenter__(self) -> "KeepPublished":
-        await self._publish()
-        self._task = asyncio.create_task(self._loop())
-        await asyncio.sleep(1.5)  # the worker follows the policy channel
-        return self
+    async def _refresh(self) -> None:
+        raise NotImplementedError
 
-    async def __aexit__(self, *exc) -> None:
+    async def _start(self) -> None:
+        await self._refresh()
+        self._task = asyncio.create_task(self._loop())
+
+    async def _stop(self) -> None:
         # The flag as well as the cancel: a cancel that lands while redis-py is mid-command can be
         # swallowed there, and the loop then slept on with its task "cancelling" for good (a
         # 12-round bench hung in this await for minutes).
@@ -255,18 +253,38 @@ class KeepPublished:
             self._task.cancel()
             await asyncio.wait({self._task}, timeout=self.every_s + 5.0)
 
-    async def _publish(self) -> None:
-        self.version += 1
-        await _publish(self.stack, self.gamma, self.version, table=self.table, name=self.name)
-
     async def _loop(self) -> None:
         while not self._stopped:
             await asyncio.sleep(self.every_s)
             if not self._stopped:
-                await self._publish()
+                await self._refresh()
 
 
-class HeldByPlanner:
+class KeepPublished(_Refreshed):
+    """Hold a bench-published policy in force for a whole run: workers ignore a policy older
+    than their ``policy_ttl_s`` (10 s by default) and fall back to their default γ, so the bench
+    republishes it, as a planner does, every ``every_s`` with a fresh stamp and a higher version."""
+
+    def __init__(self, stack: Stack, gamma: int = 0, table: dict[int, int] | None = None, name: str = "",
+                 every_s: float = 2.0, first_version: int = 1) -> None:
+        super().__init__(every_s)
+        self.stack, self.gamma, self.table, self.name = stack, gamma, table, name
+        self.version = first_version
+
+    async def __aenter__(self) -> "KeepPublished":
+        await self._start()
+        await asyncio.sleep(1.5)  # the worker follows the policy channel
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._stop()
+
+    async def _refresh(self) -> None:
+        self.version += 1
+        await _publish(self.stack, self.gamma, self.version, table=self.table, name=self.name)
+
+
+class HeldByPlanner(_Refreshed):
     """Have a stack's own planner publish the static policy ``spec`` for a run, through
     keys.planner_hold: one stack runs the learner and the static policies in turn, and the
     planner learns nothing from the held steps (planner_svc.service). The key is set with an
@@ -274,36 +292,32 @@ class HeldByPlanner:
 
     def __init__(self, stack: Stack, spec: str, every_s: float = 2.0, expire_s: float = 10.0,
                  timeout_s: float = 10.0) -> None:
-        self.stack, self.spec, self.every_s, self.expire_s, self.timeout_s = stack, spec, every_s, expire_s, timeout_s
+        super().__init__(every_s)
+        self.stack, self.spec, self.expire_s, self.timeout_s = stack, spec, expire_s, timeout_s
         self.keys = Keys(stack.cfg.key_prefix)
         self._redis = None
-        self._task: asyncio.Task | None = None
-        self._stopped = False
 
     async def __aenter__(self) -> "HeldByPlanner":
         self._redis = connect_redis(self.stack.redis_url)
         try:
-            await self._set()
+            await self._start()
             await self._until(lambda name: name == f"hold:{self.spec}", "take the hold")
         except BaseException:
+            await self._stop()
             await self._redis.delete(self.keys.planner_hold)
             await self._redis.aclose()
             raise
-        self._task = asyncio.create_task(self._loop())
         return self
 
     async def __aexit__(self, *exc) -> None:
-        self._stopped = True  # the flag as well as the cancel: KeepPublished.__aexit__
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait({self._task}, timeout=self.every_s + 5.0)
+        await self._stop()
         try:
             await self._redis.delete(self.keys.planner_hold)
             await self._until(lambda name: not name.startswith("hold:"), "lift the hold")
         finally:
             await self._redis.aclose()
 
-    async def _set(self) -> None:
+    async def _refresh(self) -> None:
         await self._redis.set(self.keys.planner_hold, PolicyHold(self.spec, reason="bench").encode(),
                               px=int(self.expire_s * 1000))
 
@@ -317,12 +331,6 @@ class HeldByPlanner:
                 return
             await asyncio.sleep(0.05)
         raise RuntimeError(f"the stack's planner did not {what} ({self.spec}) within {self.timeout_s:g} s: is it running?")
-
-    async def _loop(self) -> None:
-        while not self._stopped:
-            await asyncio.sleep(self.every_s)
-            if not self._stopped:
-                await self._set()
 
 
 async def probe_gamma(stack: Stack, cfg: CompareConfig, bank: PromptBank, gamma_max: int) -> dict:

@@ -71,3 +71,12 @@ def make_policy(spec: str, *, gamma_max: int, seed: int = 0, buckets: tuple[int,
     if name == "ema" and not arg:
         return EmaPolicy(gamma_max=gamma_max, buckets=buckets)
     raise ValueError(f"unknown policy spec {spec!r}; expected one of: {', '.join(SPECS)}")
+
+
+def make_static_policy(spec: str, *, gamma_max: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> StaticPolicy:
+    """``make_policy`` for a spec that learns nothing (off, fixed:G, threshold:, table:): what a
+    planner hold may publish (nightjar.messages.PolicyHold). ValueError otherwise."""
+    policy = make_policy(spec, gamma_max=gamma_max, buckets=buckets)
+    if not isinstance(policy, StaticPolicy):
+        raise ValueError(f"{spec!r} learns; a hold is a static policy: off, fixed:G, threshold:B[:G], table:B=G,...")
+    return policy
