@@ -27,7 +27,7 @@ COPY worker ./worker
 COPY proto ./proto
 RUN pip install --no-deps .
 RUN NIGHTJAR_KERNEL_CACHE=/opt/venv/nightjar-kernels NIGHTJAR_KERNEL_MARCH="$KERNEL_MARCH" \
-    python -c "from worker.engine import attention; assert attention.kernel() is not None"
+    python -c "from worker.engine import attention, linear; assert attention.kernel() and linear.kernel()"
 
 FROM python:3.11-slim
 ARG KERNEL_MARCH=x86-64-v3

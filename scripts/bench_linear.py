@@ -21,6 +21,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from nightjar import paths  # noqa: E402
+from worker.engine import linear  # noqa: E402
 from worker.engine.linear import pack, packed_linear  # noqa: E402
 from worker.engine.loader import fused_weights, load_config, load_state_dict  # noqa: E402
 
@@ -49,11 +50,12 @@ def read_bandwidth_gbs() -> float:
 
 
 def peak_gflops() -> float:
-    """One core's fp32 matmul peak: the faster of MKL and packed oneDNN on a 1024-cube product
-    (in cache, compute-bound; MKL does not take its best kernels on every CPU)."""
+    """One core's fp32 matmul peak: the fastest of MKL, packed oneDNN and the panel kernel on a
+    1024-cube product (compute-bound; MKL does not take its best kernels on every CPU)."""
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    bp = pack(b)
-    ms = min(min(_time(lambda: a @ b, 5), _time(lambda: packed_linear(a, bp), 5)) for _ in range(3))
+    packs = [pack(b, "onednn")] + ([pack(b, "panel")] if linear.kernel() else [])
+    ms = min(min([_time(lambda: a @ b, 5)] + [_time(lambda: packed_linear(a, bp), 5) for bp in packs])
+             for _ in range(3))
     return 2 * 1024**3 / ms / 1e6
 
 
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     mats = _matrices(a.model)
     wt = [m.t().contiguous() for m in mats]  # the engine's former layout: x @ W^T, [in, out]
-    packed = [pack(m) for m in mats]
+    onednn = [pack(m, "onednn") for m in mats]
+    panels = [pack(m, "panel") for m in mats] if linear.kernel() else []
     n_bytes = sum(m.numel() * 4 for m in mats)
     bw, peak = read_bandwidth_gbs(), peak_gflops()
     print(f"model {a.model.name}: {len(mats)} matrices, {n_bytes / 1e6:.1f} MB fp32; "
@@ -82,11 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     paths_ = {  # xs: one [M, in] input per distinct input width
         "x @ W^T (MKL)": lambda xs: [xs[w.shape[0]] @ w for w in wt],
         "F.linear (MKL)": lambda xs: [F.linear(xs[m.shape[1]], m) for m in mats],
-        "packed (oneDNN)": lambda xs: [packed_linear(xs[m.shape[1]], p) for p, m in zip(packed, mats)],
+        "packed (oneDNN)": lambda xs: [packed_linear(xs[m.shape[1]], p) for p, m in zip(onednn, mats)],
     }
+    if panels:  # the engine's path where the kernel builds
+        paths_["panel kernel"] = lambda xs: [packed_linear(xs[m.shape[1]], p) for p, m in zip(panels, mats)]
+    engine = list(paths_)[-1]
     rows = [int(r) for r in a.rows.split(",")]
-    print("| M | " + " | ".join(f"{k} ms" for k in paths_) + " | bytes floor ms | FLOP floor ms | packed ÷ floor |"
-          " packed ÷ M=1 |")
+    print("| M | " + " | ".join(f"{k} ms" for k in paths_) + f" | bytes floor ms | FLOP floor ms | {engine} ÷ floor |"
+          f" {engine} ÷ M=1 |")
     print("|---|" + "---|" * (len(paths_) + 4))
     base = None
     for m in rows:
@@ -101,10 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         med = {k: statistics.median(v) for k, v in samples.items()}
         flops = sum(2 * m * w.shape[0] * w.shape[1] for w in mats)
         floor_b, floor_f = n_bytes / bw / 1e6, flops / peak / 1e6
-        base = base or med["packed (oneDNN)"]
+        base = base or med[engine]
         print(f"| {m} | " + " | ".join(f"{med[k]:.2f}" for k in paths_)
-              + f" | {floor_b:.2f} | {floor_f:.2f} | {med['packed (oneDNN)'] / max(floor_b, floor_f):.2f} |"
-              f" {med['packed (oneDNN)'] / base:.2f} |")
+              + f" | {floor_b:.2f} | {floor_f:.2f} | {med[engine] / max(floor_b, floor_f):.2f} |"
+              f" {med[engine] / base:.2f} |")
     return 0
 
 

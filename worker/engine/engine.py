@@ -58,7 +58,7 @@ class Engine:
             torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
         dtype = cfg.torch_dtype
-        # The target's weights never move, so on CPU they are packed for oneDNN (worker/engine/linear.py);
+        # The target's weights never move, so on CPU they are packed once (worker/engine/linear.py);
         # the draft stays in plain tensors so the mover can offload it.
         target = LlamaModel.from_folder(cfg.target_path, dtype, cfg.device, packed=can_pack(torch.device(cfg.device), dtype))
         draft = LlamaModel.from_folder(cfg.draft_path, dtype, cfg.device) if cfg.draft_path else None

@@ -1,16 +1,28 @@
-"""CPU matmul that streams each weight once at small row counts: oneDNN with a prepacked weight.
+"""CPU matmul that streams each weight once at small row counts.
 
 torch's default CPU path (MKL sgemm) re-reads a weight matrix for every few rows, so a 4-row
-verify pass costs several 1-row decode steps and speculation looks expensive at batch 1. oneDNN's
-inner product, with the weight reordered once into its blocked layout, reads the weight once for
-up to ~8-16 rows and is compute-bound beyond: the shape of a GPU step (BENCHMARKS.md, "CPU linear
-path"). CUDA keeps F.linear.
+verify pass costs several 1-row decode steps and speculation looks expensive at batch 1. The
+target's matrices are packed once, and a step's few rows read each packed weight once:
+
+- ``panel``: csrc/panel_linear.c, W^T in 16-column panels [N/16, K, 16] that each stay in L2
+  while 6-row tiles of x sweep them. At the bandwidth floor to ~4 rows, then compute-bound
+  (BENCHMARKS.md, "CPU linear path"). Needs a C compiler (worker/engine/kernels.py) and N a
+  multiple of 16; NIGHTJAR_PANEL_LINEAR=0 turns it off.
+- ``onednn``: oneDNN's inner product with the weight reordered once into its blocked layout; flat
+  to ~4 rows, the fallback for a matrix the panel kernel cannot take.
+
+CUDA keeps F.linear.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
+from worker.engine import kernels
+
+PANEL = 16  # columns per panel, the kernel's NR
 # oneDNN picks the blocked layout for this row-count hint; decode and verify passes are mostly few rows.
 PACK_ROWS_HINT = 16
 
@@ -19,10 +31,29 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """w: [out, in] fp32 CPU -> the same matrix in oneDNN's opaque blocked layout (same numel)."""
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.panel_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
+    lib.panel_linear.restype = None
+
+
+def kernel() -> ctypes.CDLL | None:
+    return kernels.load("panel_linear", "NIGHTJAR_PANEL_LINEAR", _declare)
+
+
+def pack(w: torch.Tensor, kind: str = "auto") -> torch.Tensor:
+    """w: [out, in] fp32 CPU -> panels [out/16, in, 16] (``panel``) or oneDNN's opaque blocked layout
+    [out, in] (``onednn``); ``auto`` takes panels where the kernel is built and out % 16 == 0.
+    Either keeps w's element count."""
     if not can_pack(w.device, w.dtype) or w.dim() != 2:
         raise ValueError(f"pack takes a 2-D fp32 CPU weight, got {w.dtype} {tuple(w.shape)} on {w.device}")
+    if kind not in ("auto", "panel", "onednn"):
+        raise ValueError(f"pack: kind must be auto, panel or onednn, not {kind!r}")
+    n, k = w.shape
+    if kind == "panel" or (kind == "auto" and n % PANEL == 0 and kernel() is not None):
+        if n % PANEL or kernel() is None:
+            raise ValueError(f"panel packing needs the kernel and out % {PANEL} == 0 (out = {n})")
+        return w.view(n // PANEL, PANEL, k).transpose(1, 2).contiguous()  # [N/16, K, 16]
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS_HINT)
 
 
@@ -38,6 +69,8 @@ def padded_rows(n: int) -> int:
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
     """x: [N, in], w: packed [out, in] -> x @ w^T (+ add: a bias [out] or a residual [N, out]) -> [N, out]."""
+    if w.dim() == 3:
+        return _panel_linear(x, w, add)
     n = x.shape[0]
     rows = padded_rows(n)
     if rows != n:
@@ -49,3 +82,24 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = N
     else:
         y = torch.ops.mkldnn._linear_pointwise.binary(x, add, w, None, "add")
     return y if rows == n else y[:n]
+
+
+def _panel_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
+    """x: [N, K], w: panels [P, K, 16], add: [P * 16] | [N, P * 16] | None -> [N, P * 16]."""
+    p, k, _ = w.shape
+    n_out = p * PANEL
+    if x.shape[-1] != k:
+        raise ValueError(f"packed_linear: x has {x.shape[-1]} features, the weight takes {k}")
+    x = x.contiguous()
+    rows = x.shape[0]
+    y = torch.empty(rows, n_out, dtype=x.dtype)  # [N, out]
+    bias = res = None
+    if add is not None:
+        add = add.contiguous()
+        if add.shape != ((n_out,) if add.dim() == 1 else (rows, n_out)):
+            raise ValueError(f"packed_linear: add of shape {tuple(add.shape)} for an output of {rows} x {n_out}")
+        bias, res = (add.data_ptr(), None) if add.dim() == 1 else (None, add.data_ptr())
+    if rows:
+        kernel().panel_linear(x.data_ptr(), rows, k, w.data_ptr(), n_out, bias, res, y.data_ptr(),
+                              torch.get_num_threads())
+    return y

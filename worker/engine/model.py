@@ -44,13 +44,13 @@ class LlamaModel:
       embed [V, D], norm [D], head [V, D] (the same tensor as embed when tied), and per layer
       ln1 [D], qkv [(H + 2K) * d, D], qkv_bias [(H + 2K) * d] | None, o [D, H * d], ln2 [D],
       gate_up [2I, D], down [D, I]. On CPU the matrices (head included) are stored either packed
-      for oneDNN (``packed``: a model whose weights stay put, see worker/engine/engine/engine/engine/linear.py) or transposed,
+      (``packed``: a model whose weights stay put, see worker/engine/linear.py) or transposed,
       [in, out] (``t_layout``: a draft that the mover offloads as plain tensors).
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device: str | torch.device,
                  packed: bool = False) -> None:
-        """packed: store the matrices in oneDNN's layout (CPU fp32 only; the model cannot move then)."""
+        """packed: store the matrices packed for worker/engine/linear.py (CPU fp32 only; the model cannot move then)."""
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.w = weights
         if packed and not can_pack(self.device, dtype):

@@ -108,7 +108,7 @@ def test_no_compiler_logs_and_falls_back(tmp_path):
     env = dict(os.environ, NIGHTJAR_KERNEL_CACHE=str(tmp_path), CC=str(tmp_path / "no-such-cc"))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
-    assert "paged attention kernel unavailable" in out.stderr
+    assert "paged_attention kernel unavailable" in out.stderr
 
 
 def test_portable_build_is_found_without_a_compiler(tmp_path):

@@ -1,11 +1,17 @@
-"""The oneDNN packed CPU linear path against F.linear, at every row count the engine uses."""
+"""The packed CPU linear paths (panel kernel, oneDNN) against F.linear, at every row count the engine uses."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from worker.engine import linear
 from worker.engine.linear import can_pack, pack, packed_linear
 from worker.engine.model import LlamaModel
 
@@ -15,19 +21,54 @@ pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32)
 ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 128, 257, 512]
 
 
+KINDS = ["onednn", pytest.param("panel", marks=pytest.mark.skipif(linear.kernel() is None, reason="no C compiler"))]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", ROWS)
-def test_packed_linear_matches_f_linear(rows):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_linear_matches_f_linear(rows, kind, threads):
     gen = torch.Generator().manual_seed(rows)
-    w = torch.randn(384, 256, generator=gen) / 16  # [out, in]
-    x = torch.randn(rows, 256, generator=gen)  # [N, in]
+    w = torch.randn(384, 257, generator=gen) / 16  # [out, in]; an odd K exercises the kernel's k tail
+    x = torch.randn(rows, 257, generator=gen)  # [N, in]
     resid = torch.randn(rows, 384, generator=gen)  # [N, out]
     bias = torch.randn(384, generator=gen)
-    wp = pack(w)
+    wp = pack(w, kind)
+    assert wp.dim() == (3 if kind == "panel" else 2) and wp.numel() == w.numel()
     ref = F.linear(x, w)
     tol = 1e-5 * max(1.0, ref.abs().max().item())
-    assert (packed_linear(x, wp) - ref).abs().max().item() <= tol
-    assert (packed_linear(x, wp, resid) - (ref + resid)).abs().max().item() <= tol
-    assert (packed_linear(x, wp, bias) - (ref + bias)).abs().max().item() <= tol
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert (packed_linear(x, wp) - ref).abs().max().item() <= tol
+        assert (packed_linear(x, wp, resid) - (ref + resid)).abs().max().item() <= tol
+        assert (packed_linear(x, wp, bias) - (ref + bias)).abs().max().item() <= tol
+        assert (packed_linear(x[:, :].t().contiguous().t(), wp) - ref).abs().max().item() <= tol  # a strided x
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(linear.kernel() is None, reason="no C compiler")
+def test_auto_packs_panels_where_the_kernel_takes_the_shape_and_onednn_elsewhere():
+    assert pack(torch.randn(32, 8)).dim() == 3
+    assert pack(torch.randn(24, 8)).dim() == 2  # 24 is not a whole number of 16-column panels
+    with pytest.raises(ValueError, match="out % 16"):
+        pack(torch.randn(24, 8), "panel")
+    wp = pack(torch.randn(32, 8))
+    with pytest.raises(ValueError, match="features"):
+        packed_linear(torch.randn(2, 9), wp)
+    with pytest.raises(ValueError, match="add of shape"):
+        packed_linear(torch.randn(2, 8), wp, torch.randn(3, 32))
+    assert packed_linear(torch.randn(0, 8), wp).shape == (0, 32)
+
+
+def test_the_panel_kernel_can_be_switched_off_and_then_onednn_packs_everything(tmp_path):
+    code = ("import torch; from worker.engine import linear; "
+            "print(linear.kernel() is None, linear.pack(torch.randn(32, 8)).dim())")
+    env = dict(os.environ, NIGHTJAR_PANEL_LINEAR="0", NIGHTJAR_KERNEL_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[3])
+    assert out.stdout.split() == ["True", "2"]
 
 
 def test_pack_refuses_what_it_cannot_pack():
@@ -35,6 +76,8 @@ def test_pack_refuses_what_it_cannot_pack():
         pack(torch.zeros(4, 4, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="2-D"):
         pack(torch.zeros(4))
+    with pytest.raises(ValueError, match="kind"):
+        pack(torch.zeros(16, 4), "mkl")
 
 
 def test_packed_model_keeps_weight_bytes_and_refuses_to_move():
