@@ -17,8 +17,9 @@ from worker.engine.model import LlamaModel
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="needs oneDNN on CPU")
 
-# decode (1 row per sequence), verify (γ+1 rows), prefill chunks: 1..512 rows, odd counts included
-ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 128, 257, 512]
+# decode (1 row per sequence), verify (γ+1 rows), prefill chunks: 1..512 rows, odd counts included;
+# every tail of the kernel's 6- and 12-row tiles
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 15, 16, 17, 22, 31, 33, 64, 100, 128, 257, 512]
 
 
 KINDS = ["onednn", pytest.param("panel", marks=pytest.mark.skipif(linear.kernel() is None, reason="no C compiler"))]
@@ -29,10 +30,11 @@ KINDS = ["onednn", pytest.param("panel", marks=pytest.mark.skipif(linear.kernel(
 @pytest.mark.parametrize("threads", [1, 2])
 def test_packed_linear_matches_f_linear(rows, kind, threads):
     gen = torch.Generator().manual_seed(rows)
-    w = torch.randn(384, 257, generator=gen) / 16  # [out, in]; an odd K exercises the kernel's k tail
+    # [out, in]: an odd K exercises the kernel's k tail, 25 panels its odd last panel
+    w = torch.randn(400, 257, generator=gen) / 16
     x = torch.randn(rows, 257, generator=gen)  # [N, in]
-    resid = torch.randn(rows, 384, generator=gen)  # [N, out]
-    bias = torch.randn(384, generator=gen)
+    resid = torch.randn(rows, 400, generator=gen)  # [N, out]
+    bias = torch.randn(400, generator=gen)
     wp = pack(w, kind)
     assert wp.dim() == (3 if kind == "panel" else 2) and wp.numel() == w.numel()
     ref = F.linear(x, w)

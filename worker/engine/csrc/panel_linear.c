@@ -4,7 +4,7 @@
  * the time to stream the weights from DRAM; MKL re-reads a matrix every few rows, and oneDNN's
  * packed inner product falls off the bandwidth floor past ~4 rows on these cores. Here W^T is
  * stored as panels [N/16][K][16]: each panel is read from DRAM once per block of rows (2 MiB of
- * x, which stays in L3) and kept in L2 while 6-row tiles of x sweep it, so a step stays at the
+ * x, which stays in L3) and kept in L2 while tiles of 6 rows (12 with AVX-512) sweep it, so a step stays at the
  * bandwidth floor until it reaches the FLOP floor, as a GPU's step does.
  *
  * Plain C (GCC vector extensions, pthreads), no torch headers: built on first use by
@@ -14,9 +14,24 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float v8 __attribute__((vector_size(32)));
-#define NR 16          /* panel width: two 8-float vectors */
-#define MR 6           /* rows per micro-tile: 12 accumulators + 2 weight vectors + 1 broadcast */
+#define NR 16 /* panel width */
+#if defined(__AVX512F__)
+/* 32 registers of 16 floats: a panel row is one vector, and a tile of 12 rows x 2 panels holds 24
+ * accumulators + 2 weight vectors, so each broadcast of x feeds two FMAs. */
+typedef float vec __attribute__((vector_size(64)));
+#define MR 12
+#define NP 2
+#else
+/* 16 registers of 8 floats: a panel row is two vectors; a tile of 6 rows x 1 panel holds 12
+ * accumulators + 2 weight vectors + 1 broadcast. */
+typedef float vec __attribute__((vector_size(32)));
+#define MR 6
+#define NP 1
+#endif
+#define VW ((int)(sizeof(vec) / sizeof(float)))
+#define NV (NR / VW)   /* vectors per panel row */
+#define ACC (MR * NV * NP) /* accumulators a full tile holds */
+#define MAX_U 4        /* k chains of a short tile */
 #define X_BLOCK_BYTES (2 << 20) /* rows per pass over the weights: x's block stays in L3 */
 #define MAX_THREADS 64
 #define PF_ROWS 4      /* row blocks this tall pull the next panel into L2 while they compute */
@@ -28,56 +43,64 @@ typedef struct {
     int64_t M, K, N, p0, p1, mb;
 } Args;
 
-INLINE v8 bcast(float f) { return (v8){f, f, f, f, f, f, f, f}; }
-
-/* rows [m, m + mr) x panel p, all of K; called with constant mr and u so that the loops unroll into
- * registers. A few rows alone would leave 2 * mr FMA chains, each waiting on its own latency, so
- * k is split into u interleaved chains (u * mr * 2 <= 12 accumulators). */
-INLINE void tile(const Args *a, int64_t m, int64_t mr, int64_t u, int64_t p, int pf) {
-    const int64_t K = a->K;
-    const float *w = a->wp + p * K * NR;
+/* rows [m, m + mr) x panels [p, p + np), all of K; called with constant mr, u and np so that the
+ * loops unroll into registers. A few rows alone would leave mr * NV * np FMA chains, each waiting
+ * on its own latency, so k is split into u interleaved chains (u * mr * NV * np <= ACC). */
+INLINE void tile(const Args *a, int64_t m, int64_t mr, int64_t u, int64_t p, int64_t np, int pf) {
+    const int64_t K = a->K, stride = K * NR;  /* floats per panel */
+    const float *w = a->wp + p * stride;
     const float *x = a->x + m * K;
-    v8 acc[4][MR][2] = {{{0}}};
+    vec acc[MAX_U][MR][NP * NV] = {{{{0}}}};
     int64_t k = 0;
     for (; k + u <= K; k += u) {
         for (int64_t j = 0; j < u; j++) {
-            if (pf) __builtin_prefetch(w + (k + j + K) * NR, 0, 1);  /* the next panel, into L2 */
-            v8 w0, w1;
-            memcpy(&w0, w + (k + j) * NR, 32);
-            memcpy(&w1, w + (k + j) * NR + 8, 32);
-            for (int64_t r = 0; r < mr; r++) {
-                const v8 b = bcast(x[r * K + k + j]);
-                acc[j][r][0] += b * w0;
-                acc[j][r][1] += b * w1;
+            vec wv[NP * NV];
+            for (int64_t i = 0; i < np; i++) {
+                if (pf) __builtin_prefetch(w + (np + i) * stride + (k + j) * NR, 0, 1); /* the next panels, into L2 */
+                memcpy(wv + i * NV, w + i * stride + (k + j) * NR, NR * sizeof(float));
             }
+            for (int64_t r = 0; r < mr; r++)
+                for (int v = 0; v < np * NV; v++) acc[j][r][v] += x[r * K + k + j] * wv[v];
         }
     }
     for (; k < K; k++) {
-        v8 w0, w1;
-        memcpy(&w0, w + k * NR, 32);
-        memcpy(&w1, w + k * NR + 8, 32);
-        for (int64_t r = 0; r < mr; r++) {
-            const v8 b = bcast(x[r * K + k]);
-            acc[0][r][0] += b * w0;
-            acc[0][r][1] += b * w1;
-        }
+        vec wv[NP * NV];
+        for (int64_t i = 0; i < np; i++) memcpy(wv + i * NV, w + i * stride + k * NR, NR * sizeof(float));
+        for (int64_t r = 0; r < mr; r++)
+            for (int v = 0; v < np * NV; v++) acc[0][r][v] += x[r * K + k] * wv[v];
     }
     for (int64_t j = 1; j < u; j++)
+        for (int64_t r = 0; r < mr; r++)
+            for (int v = 0; v < np * NV; v++) acc[0][r][v] += acc[j][r][v];
+    for (int64_t i = 0; i < np; i++) {
+        const int64_t n0 = (p + i) * NR, nc = a->N - n0 < NR ? a->N - n0 : NR;
         for (int64_t r = 0; r < mr; r++) {
-            acc[0][r][0] += acc[j][r][0];
-            acc[0][r][1] += acc[j][r][1];
+            float out[NR];
+            memcpy(out, acc[0][r] + i * NV, sizeof out);
+            float *y = a->y + (m + r) * a->N + n0;
+            if (a->bias)
+                for (int64_t c = 0; c < nc; c++) out[c] += a->bias[n0 + c];
+            if (a->add)
+                for (int64_t c = 0; c < nc; c++) out[c] += a->add[(m + r) * a->N + n0 + c];
+            memcpy(y, out, nc * sizeof(float));
         }
-    const int64_t n0 = p * NR, nc = a->N - n0 < NR ? a->N - n0 : NR;
-    for (int64_t r = 0; r < mr; r++) {
-        float out[NR];
-        memcpy(out, &acc[0][r][0], 32);
-        memcpy(out + 8, &acc[0][r][1], 32);
-        float *y = a->y + (m + r) * a->N + n0;
-        if (a->bias)
-            for (int64_t c = 0; c < nc; c++) out[c] += a->bias[n0 + c];
-        if (a->add)
-            for (int64_t c = 0; c < nc; c++) out[c] += a->add[(m + r) * a->N + n0 + c];
-        memcpy(y, out, nc * sizeof(float));
+    }
+}
+
+/* k chains for a tail of r rows x np panels */
+#define U(r, np) (ACC / ((r) * NV * (np)) > MAX_U ? MAX_U : ACC / ((r) * NV * (np)) < 1 ? 1 : ACC / ((r) * NV * (np)))
+#define TAIL(r, np) case r: tile(a, m, r, U(r, np), p, np, pf); break;
+
+/* rows [m0, m1) x panels [p, p + np) */
+INLINE void sweep(const Args *a, int64_t m0, int64_t m1, int64_t p, int64_t np, int pf) {
+    int64_t m = m0;
+    for (; m + MR <= m1; m += MR, pf = 0) tile(a, m, MR, 1, p, np, pf);
+    switch (m1 - m) {
+        TAIL(1, np) TAIL(2, np) TAIL(3, np) TAIL(4, np) TAIL(5, np)
+#if MR > 6
+        TAIL(6, np) TAIL(7, np) TAIL(8, np) TAIL(9, np) TAIL(10, np) TAIL(11, np)
+#endif
+        default: break;
     }
 }
 
@@ -85,20 +108,12 @@ static void *run_range(void *p_) {
     const Args *a = p_;
     for (int64_t m0 = 0; m0 < a->M; m0 += a->mb) {
         const int64_t m1 = m0 + a->mb < a->M ? m0 + a->mb : a->M;
-        for (int64_t p = a->p0; p < a->p1; p++) {
-            /* Below ~4 rows a pass over the panel is as fast as DRAM streams it; above, the first
-             * tile pulls the next panel into L2 so that streaming overlaps the arithmetic. */
-            int pf = m1 - m0 >= PF_ROWS && p + 1 < a->p1;
-            int64_t m = m0;
-            for (; m + MR <= m1; m += MR, pf = 0) tile(a, m, MR, 1, p, pf);
-            switch (m1 - m) {
-                case 5: tile(a, m, 5, 1, p, pf); break;
-                case 4: tile(a, m, 4, 1, p, pf); break;
-                case 3: tile(a, m, 3, 2, p, pf); break;
-                case 2: tile(a, m, 2, 3, p, pf); break;
-                case 1: tile(a, m, 1, 4, p, pf); break;
-                default: break;
-            }
+        for (int64_t p = a->p0; p < a->p1; p += NP) {
+            /* Below ~4 rows a pass over the panels is as fast as DRAM streams them; above, the first
+             * tile pulls the next panels into L2 so that streaming overlaps the arithmetic. */
+            const int pf = m1 - m0 >= PF_ROWS && p + NP < a->p1;
+            if (p + NP <= a->p1) sweep(a, m0, m1, p, NP, pf);
+            else sweep(a, m0, m1, p, 1, 0);  /* an odd last panel */
         }
     }
     return NULL;
