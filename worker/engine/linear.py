@@ -5,7 +5,7 @@ verify pass costs several 1-row decode steps and speculation looks expensive at 
 target's matrices are packed once, and a step's few rows read each packed weight once:
 
 - ``panel``: csrc/panel_linear.c, W^T in 16-column panels [N/16, K, 16] that each stay in L2
-  while 6-row tiles of x sweep them. At the bandwidth floor to ~4 rows, then compute-bound
+  while register tiles of x sweep them. At the bandwidth floor to ~4 rows, then compute-bound
   (BENCHMARKS.md, "CPU linear path"). Needs a C compiler (worker/engine/kernels.py) and N a
   multiple of 16; NIGHTJAR_PANEL_LINEAR=0 turns it off.
 - ``onednn``: oneDNN's inner product with the weight reordered once into its blocked layout; flat
