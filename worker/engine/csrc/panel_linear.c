@@ -29,6 +29,9 @@ typedef float vec __attribute__((vector_size(32)));
 #define NP 1
 #endif
 #define VW ((int)(sizeof(vec) / sizeof(float)))
+/* the same vector at float alignment: loads and stores through it keep acc and the weights in
+ * registers, where a memcpy into an array made GCC keep them on the stack */
+typedef float uvec __attribute__((vector_size(sizeof(vec)), aligned(4)));
 #define NV (NR / VW)   /* vectors per panel row */
 #define ACC (MR * NV * NP) /* accumulators a full tile holds */
 #define MAX_U 4        /* k chains of a short tile */
@@ -36,6 +39,7 @@ typedef float vec __attribute__((vector_size(32)));
 #define MAX_THREADS 64
 #define PF_ROWS 4      /* row blocks this tall pull the next panel into L2 while they compute */
 #define INLINE static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 16")
 
 typedef struct {
     const float *x, *wp, *bias, *add;
@@ -50,33 +54,41 @@ INLINE void tile(const Args *a, int64_t m, int64_t mr, int64_t u, int64_t p, int
     const int64_t K = a->K, stride = K * NR;  /* floats per panel */
     const float *w = a->wp + p * stride;
     const float *x = a->x + m * K;
-    vec acc[MAX_U][MR][NP * NV] = {{{{0}}}};
+    /* Every loop over j, r, i and v is unrolled so that acc stays in registers: left to its own
+     * heuristics, GCC keeps it on the stack for 8-float vectors. */
+    vec acc[MAX_U][MR][NP * NV];
+    UNROLL for (int64_t j = 0; j < u; j++)
+        UNROLL for (int64_t r = 0; r < mr; r++)
+            UNROLL for (int v = 0; v < np * NV; v++) acc[j][r][v] = (vec){0};
     int64_t k = 0;
     for (; k + u <= K; k += u) {
-        for (int64_t j = 0; j < u; j++) {
+        UNROLL for (int64_t j = 0; j < u; j++) {
             vec wv[NP * NV];
-            for (int64_t i = 0; i < np; i++) {
+            UNROLL for (int64_t i = 0; i < np; i++) {
                 if (pf) __builtin_prefetch(w + (np + i) * stride + (k + j) * NR, 0, 1); /* the next panels, into L2 */
-                memcpy(wv + i * NV, w + i * stride + (k + j) * NR, NR * sizeof(float));
+                UNROLL for (int v = 0; v < NV; v++) wv[i * NV + v] = *(const uvec *)(w + i * stride + (k + j) * NR + v * VW);
             }
-            for (int64_t r = 0; r < mr; r++)
-                for (int v = 0; v < np * NV; v++) acc[j][r][v] += x[r * K + k + j] * wv[v];
+            UNROLL for (int64_t r = 0; r < mr; r++)
+                UNROLL for (int v = 0; v < np * NV; v++) acc[j][r][v] += x[r * K + k + j] * wv[v];
         }
     }
     for (; k < K; k++) {
         vec wv[NP * NV];
-        for (int64_t i = 0; i < np; i++) memcpy(wv + i * NV, w + i * stride + k * NR, NR * sizeof(float));
-        for (int64_t r = 0; r < mr; r++)
-            for (int v = 0; v < np * NV; v++) acc[0][r][v] += x[r * K + k] * wv[v];
+        UNROLL for (int64_t i = 0; i < np; i++)
+            UNROLL for (int v = 0; v < NV; v++) wv[i * NV + v] = *(const uvec *)(w + i * stride + k * NR + v * VW);
+        UNROLL for (int64_t r = 0; r < mr; r++)
+            UNROLL for (int v = 0; v < np * NV; v++) acc[0][r][v] += x[r * K + k] * wv[v];
     }
-    for (int64_t j = 1; j < u; j++)
-        for (int64_t r = 0; r < mr; r++)
-            for (int v = 0; v < np * NV; v++) acc[0][r][v] += acc[j][r][v];
+    float sum[MR][NP * NR];
+    UNROLL for (int64_t r = 0; r < mr; r++)
+        UNROLL for (int v = 0; v < np * NV; v++) {
+            UNROLL for (int64_t j = 1; j < u; j++) acc[0][r][v] += acc[j][r][v];
+            *(uvec *)(sum[r] + v * VW) = acc[0][r][v];
+        }
     for (int64_t i = 0; i < np; i++) {
         const int64_t n0 = (p + i) * NR, nc = a->N - n0 < NR ? a->N - n0 : NR;
         for (int64_t r = 0; r < mr; r++) {
-            float out[NR];
-            memcpy(out, acc[0][r] + i * NV, sizeof out);
+            float *out = sum[r] + i * NR;
             float *y = a->y + (m + r) * a->N + n0;
             if (a->bias)
                 for (int64_t c = 0; c < nc; c++) out[c] += a->bias[n0 + c];
