@@ -4,7 +4,7 @@
  * the time to stream the weights from DRAM; MKL re-reads a matrix every few rows, and oneDNN's
  * packed inner product falls off the bandwidth floor past ~4 rows on these cores. Here W^T is
  * stored as panels [N/16][K][16]: each panel is read from DRAM once per block of rows (2 MiB of
- * x, which stays in L3) and kept in L2 while tiles of 6 rows (12 with AVX-512) sweep it, so a step stays at the
+ * x, which stays in L3) and kept in L2 while register tiles of x sweep it, so a step stays at the
  * bandwidth floor until it reaches the FLOP floor, as a GPU's step does.
  *
  * Plain C (GCC vector extensions, pthreads), no torch headers: built on first use by
@@ -29,8 +29,8 @@ typedef float vec __attribute__((vector_size(32)));
 #define NP 1
 #endif
 #define VW ((int)(sizeof(vec) / sizeof(float)))
-/* the same vector at float alignment: loads and stores through it keep acc and the weights in
- * registers, where a memcpy into an array made GCC keep them on the stack */
+/* the same vector at float alignment, for loads and stores that leave acc and the weights in
+ * registers (GCC keeps an array filled by memcpy on the stack) */
 typedef float uvec __attribute__((vector_size(sizeof(vec)), aligned(4)));
 #define NV (NR / VW)   /* vectors per panel row */
 #define ACC (MR * NV * NP) /* accumulators a full tile holds */
@@ -54,8 +54,7 @@ INLINE void tile(const Args *a, int64_t m, int64_t mr, int64_t u, int64_t p, int
     const int64_t K = a->K, stride = K * NR;  /* floats per panel */
     const float *w = a->wp + p * stride;
     const float *x = a->x + m * K;
-    /* Every loop over j, r, i and v is unrolled so that acc stays in registers: left to its own
-     * heuristics, GCC keeps it on the stack for 8-float vectors. */
+    /* every loop over j, r, i and v is unrolled, or GCC keeps acc on the stack for 8-float vectors */
     vec acc[MAX_U][MR][NP * NV];
     UNROLL for (int64_t j = 0; j < u; j++)
         UNROLL for (int64_t r = 0; r < mr; r++)
