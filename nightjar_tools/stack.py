@@ -10,6 +10,7 @@ their command lines, which every local user can read (/proc/PID/cmdline, ``ps``)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -17,7 +18,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -332,6 +335,22 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def sigterm_stops_stacks() -> Iterator[None]:
+    """Within it, SIGTERM ends the process as Ctrl-C does: asyncio.run cancels its main task (plain
+    code unwinds with KeyboardInterrupt), so every running Stack's stop runs on the way out.
+    Python's default SIGTERM action exits at once and leaves the stack's processes behind.
+    Signal handlers belong to the main thread; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _planner_available() -> bool:

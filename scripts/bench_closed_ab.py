@@ -33,6 +33,7 @@ from nightjar_tools.bench.compare import (CompareConfig, HeldByPlanner, KeepPubl
 from nightjar_tools.bench.probe import recording  # noqa: E402
 from nightjar_tools.bench.workload import PromptBank, build  # noqa: E402
 from nightjar_tools.serve import add_prior_surface_arg, prior_surface  # noqa: E402
+from nightjar_tools.stack import sigterm_stops_stacks  # noqa: E402
 
 
 def gamma_of(policy: str) -> int:
@@ -233,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = a.out or ROOT / "runs" / "bench" / time.strftime("closed_ab-%Y%m%dT%H%M%SZ", time.gmtime())
     out.mkdir(parents=True, exist_ok=True)
-    rows = asyncio.run(run(a, out))
+    with sigterm_stops_stacks():
+        rows = asyncio.run(run(a, out))
     print(table(rows, a.policies.split(","), a.rounds_per_repeat))
     return 0
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from nightjar import paths
 from nightjar_tools.serve import add_prior_surface_arg, prior_surface
+from nightjar_tools.stack import sigterm_stops_stacks
 
 # The static table (each entry: γ up to that batch size) is the offline sweep's best γ ≤ 4 (the
 # planner's γmax) per batch size (BENCHMARKS.md, Speculation: scripts/bench_speculation.py on
@@ -97,6 +98,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with sigterm_stops_stacks():  # a bench killed with SIGTERM still stops the stacks it started
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     p = parser()
     a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     from nightjar_tools.bench.workload import LengthScale

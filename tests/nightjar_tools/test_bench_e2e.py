@@ -4,9 +4,14 @@ worker with the shipped models), one policy, a short steady load, and every arte
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from nightjar import paths
 from nightjar_tools.bench.cli import main
 
 pytestmark = pytest.mark.slow
@@ -37,3 +42,49 @@ def test_bench_runs_against_a_real_stack(tmp_path):
     assert "| poisson:0.5 | fixed:2 |" in (out / "report.md").read_text()
     assert (plots_dir / "comparison.png").read_bytes()[:4] == b"\x89PNG"
     assert (plots_dir / "timeline_fixed_2_poisson_0.5.png").is_file()
+
+
+def _children(pid: int) -> dict[int, str]:
+    """{pid: command line} of the processes whose parent is ``pid``."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            if entry.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie is as good as gone: it holds no port or memory
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
+def test_sigterm_stops_the_bench_and_the_stack_it_started(tmp_path):
+    # Python's default SIGTERM action exits at once: a bench killed that way left its gateway,
+    # worker, scheduler, planner and Redis running (BENCHMARKS.md, thirteenth session).
+    cmd = [sys.executable, "-m", "nightjar_tools.cli", "bench", "--policies", "off", "--workloads", "closed:1@300",
+           "--target-model", str(paths.TINY_TARGET), "--draft-model", str(paths.TINY_DRAFT), "--no-progress",
+           "--out", str(tmp_path / "out")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in proc.stdout:  # the load starts once the stack is up
+            seen.append(line)
+            if "workload closed:1" in line:
+                break
+        assert "workload closed:1" in "".join(seen), "".join(seen)[-2000:]
+        stack = _children(proc.pid)
+        assert any(" worker " in c for c in stack.values()) and any(" gateway " in c for c in stack.values()), stack
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=90)
+        left = {p: c for p, c in stack.items() if _alive(p)}
+        assert not left, left
+    finally:
+        if proc.poll() is None:
+            proc.kill()
