@@ -337,16 +337,21 @@ class Stack:
         self.stop()
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def sigterm_stops_stacks() -> Iterator[None]:
-    """Within it, SIGTERM ends the process as Ctrl-C does: asyncio.run cancels its main task (plain
-    code unwinds with KeyboardInterrupt), so every running Stack's stop runs on the way out.
-    Python's default SIGTERM action exits at once and leaves the stack's processes behind.
-    Signal handlers belong to the main thread; elsewhere this does nothing."""
+    """Within it, SIGTERM raises KeyboardInterrupt, as Ctrl-C does, so every running Stack's stop
+    runs on the way out (asyncio.run cancels what is left). Python's default SIGTERM action exits
+    at once and leaves the stack's processes behind. Not by re-sending SIGINT: a process started
+    in the background ignores it. Signal handlers belong to the main thread; elsewhere this does
+    nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         yield
     finally:

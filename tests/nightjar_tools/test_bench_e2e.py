@@ -4,6 +4,7 @@ worker with the shipped models), one policy, a short steady load, and every arte
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -72,6 +73,7 @@ def test_sigterm_stops_the_bench_and_the_stack_it_started(tmp_path):
            "--target-model", str(paths.TINY_TARGET), "--draft-model", str(paths.TINY_DRAFT), "--no-progress",
            "--out", str(tmp_path / "out")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stack: dict[int, str] = {}
     try:
         seen = []
         for line in proc.stdout:  # the load starts once the stack is up
@@ -86,5 +88,7 @@ def test_sigterm_stops_the_bench_and_the_stack_it_started(tmp_path):
         left = {p: c for p, c in stack.items() if _alive(p)}
         assert not left, left
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        for pid in [proc.pid, *stack]:  # a failure here must not leave a stack running
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
