@@ -47,6 +47,12 @@ typedef struct {
     int64_t M, K, N, p0, p1, mb;
 } Args;
 
+/* row k of np panels, stride floats apart, into wv [np * NV] */
+INLINE void load_w(vec *wv, const float *w, int64_t stride, int64_t k, int64_t np) {
+    UNROLL for (int64_t i = 0; i < np; i++)
+        UNROLL for (int v = 0; v < NV; v++) wv[i * NV + v] = *(const uvec *)(w + i * stride + k * NR + v * VW);
+}
+
 /* rows [m, m + mr) x panels [p, p + np), all of K; called with constant mr, u and np so that the
  * loops unroll into registers. A few rows alone would leave mr * NV * np FMA chains, each waiting
  * on its own latency, so k is split into u interleaved chains (u * mr * NV * np <= ACC). */
@@ -62,19 +68,17 @@ INLINE void tile(const Args *a, int64_t m, int64_t mr, int64_t u, int64_t p, int
     int64_t k = 0;
     for (; k + u <= K; k += u) {
         UNROLL for (int64_t j = 0; j < u; j++) {
+            if (pf)  /* the next panels, into L2 */
+                UNROLL for (int64_t i = 0; i < np; i++) __builtin_prefetch(w + (np + i) * stride + (k + j) * NR, 0, 1);
             vec wv[NP * NV];
-            UNROLL for (int64_t i = 0; i < np; i++) {
-                if (pf) __builtin_prefetch(w + (np + i) * stride + (k + j) * NR, 0, 1); /* the next panels, into L2 */
-                UNROLL for (int v = 0; v < NV; v++) wv[i * NV + v] = *(const uvec *)(w + i * stride + (k + j) * NR + v * VW);
-            }
+            load_w(wv, w, stride, k + j, np);
             UNROLL for (int64_t r = 0; r < mr; r++)
                 UNROLL for (int v = 0; v < np * NV; v++) acc[j][r][v] += x[r * K + k + j] * wv[v];
         }
     }
     for (; k < K; k++) {
         vec wv[NP * NV];
-        UNROLL for (int64_t i = 0; i < np; i++)
-            UNROLL for (int v = 0; v < NV; v++) wv[i * NV + v] = *(const uvec *)(w + i * stride + k * NR + v * VW);
+        load_w(wv, w, stride, k, np);
         UNROLL for (int64_t r = 0; r < mr; r++)
             UNROLL for (int v = 0; v < np * NV; v++) acc[0][r][v] += x[r * K + k] * wv[v];
     }
@@ -98,9 +102,12 @@ INLINE void tile(const Args *a, int64_t m, int64_t mr, int64_t u, int64_t p, int
     }
 }
 
-/* k chains for a tail of r rows x np panels */
-#define U(r, np) (ACC / ((r) * NV * (np)) > MAX_U ? MAX_U : ACC / ((r) * NV * (np)) < 1 ? 1 : ACC / ((r) * NV * (np)))
-#define TAIL(r, np) case r: tile(a, m, r, U(r, np), p, np, pf); break;
+/* k chains for a tail of r rows x np panels: as many as the accumulators allow, 1 to MAX_U */
+INLINE int64_t chains(int64_t r, int64_t np) {
+    const int64_t u = ACC / (r * NV * np);
+    return u > MAX_U ? MAX_U : u < 1 ? 1 : u;
+}
+#define TAIL(r, np) case r: tile(a, m, r, chains(r, np), p, np, pf); break;
 
 /* rows [m0, m1) x panels [p, p + np) */
 INLINE void sweep(const Args *a, int64_t m0, int64_t m1, int64_t p, int64_t np, int pf) {
