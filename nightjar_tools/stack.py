@@ -159,8 +159,13 @@ class Stack:
     http_port: int = 0  # 0 = no HTTP API
     services: list[Service] = field(default_factory=list)
     _tmp: tempfile.TemporaryDirectory | None = None
+    _abort: threading.Event = field(default_factory=threading.Event)
 
     # ------------------------------------------------------------------ lifecycle
+
+    def abort_start(self) -> None:
+        """Make a ``start`` running in another thread give up and stop what it started."""
+        self._abort.set()
 
     def start(self) -> "Stack":
         cfg = self.cfg
@@ -292,6 +297,9 @@ class Stack:
         with grpc.insecure_channel(self.address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while True:
+                if self._abort.is_set():
+                    client.close()
+                    raise RuntimeError("the stack's start was aborted")
                 for svc in self.services:
                     if not svc.alive() and svc.proc.returncode not in (None, -signal.SIGKILL):
                         raise RuntimeError(f"{svc.name} exited with {svc.proc.returncode} while starting; its log:\n{svc.log_tail()}")

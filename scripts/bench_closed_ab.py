@@ -127,8 +127,9 @@ async def run(a: argparse.Namespace, out: Path) -> list[dict]:
                         async with hold:
                             result, steps = await run_recorded(stack, wl, texts, cfg, f"{policy} | closed:{c}", record_to)
                     cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_seconds(stack).items()}
-                    r = report.summarize(result, steps, warmup_s=wl.warmup_s)
+                    r = report.summarize_workload(result, steps, wl)
                     rows.append({"clients": c, "round": rnd, "policy": policy, "tokens_per_s": r["tokens_per_s"],
+                                 "makespan_tokens_per_s": r["makespan_tokens_per_s"],
                                  "ok": r["ok"], "sent": r["sent"], "steps": steps["steps"],
                                  "gamma_switches": steps["gamma_switches"], "load_steps": steps["load_steps"],
                                  "load_switches": steps["load_switches"], "spec_step_share": steps["spec_step_share"],
@@ -153,7 +154,7 @@ def table(rows: list[dict], statics: list[str], per: int = 1) -> str:
     whatever the policy did."""
     lines = ["| clients | " + " | ".join(f"`{p}`" for p in statics) + " | `nightjar` | ÷ best static, per repeat (median) "
              "| ÷ each repeat's best (median) | ÷ best static's mean | same-arm ms/token ÷ best static's, per repeat (median) "
-             "| switches / 1,000 steps under load | planner CPU, % of a core |",
+             "| switches / 1,000 steps under load (after the first repeat) | planner CPU, % of a core |",
              "|---:|" + "---:|" * (len(statics) + 7)]
     for c in dict.fromkeys(r["clients"] for r in rows):
         at = [r for r in rows if r["clients"] == c]
@@ -172,15 +173,21 @@ def table(rows: list[dict], statics: list[str], per: int = 1) -> str:
                     same_arm.append(speed)
         nj = [r for r in at if r["policy"] == "nightjar"]
         # under load only: the final drain walks the batch down through every bucket's γ
-        switches = 1000 * sum(r.get("load_switches", r["gamma_switches"]) for r in nj) / max(sum(r.get("load_steps", r["steps"]) for r in nj), 1)
+        switches, settled = switch_rate(nj), switch_rate([r for r in nj if r["round"] >= per])
         planner = 100 * sum(r["cpu_s"].get("planner", 0.0) for r in nj) / max(sum(r["wall_s"] for r in nj), 1e-9)
 
         def listed(xs: list[float]) -> str:
             return ", ".join(f"{x:.3f}" for x in xs) + (f" (**{statistics.median(xs):.3f}**)" if xs else "")
         lines.append(f"| {c} | " + " | ".join(f"{mean[p]:.0f}" for p in statics) + f" | {mean['nightjar']:.0f} | "
                      f"{listed(paired)} vs `{best}` | {listed(luckiest)} | {mean['nightjar'] / mean[best]:.3f} "
-                     f"| {listed(same_arm) or '–'} | {switches:.1f} | {planner:.0f} |")
+                     f"| {listed(same_arm) or '–'} | {switches:.1f} ({settled:.1f}) | {planner:.0f} |")
     return "\n".join(lines)
+
+
+def switch_rate(runs: list[dict]) -> float:
+    """γ switches per 1,000 engine steps under load, pooled over ``runs``."""
+    steps = sum(r.get("load_steps", r["steps"]) for r in runs)
+    return 1000 * sum(r.get("load_switches", r["gamma_switches"]) for r in runs) / max(steps, 1)
 
 
 def same_arm_speed(rows: list[dict], static: str, min_steps: int = 30) -> float | None:

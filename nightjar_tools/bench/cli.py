@@ -64,7 +64,8 @@ def parser() -> argparse.ArgumentParser:
                    help="policy specs; G stands for the calibrated best γ at batch 1 (default: the full set)")
     p.add_argument("--workloads", nargs="+", type=_workload, default=None,
                    help="SPEC@SECONDS: poisson:ρ, rates:ρ1,ρ2,..., burst, ramp, oscillation, azure_conv, azure_code, "
-                        "closed:C (C clients in a closed loop, 64-token requests; SECONDS counted after a 10 s warm-up)")
+                        "closed:C (C clients in a closed loop, 64-token requests; tokens/s over SECONDS after a 10 s warm-up, "
+                        "while all C send)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-scale", type=float, default=0.25, help="× the trace's prompt lengths")
     p.add_argument("--output-scale", type=float, default=0.25, help="× the trace's output lengths")
@@ -302,7 +303,7 @@ def _against_running(a: argparse.Namespace, p: argparse.ArgumentParser, scale, o
             finally:
                 if probe:
                     await probe.close()
-            run = report.summarize(res, steps, warmup_s=wl.warmup_s)
+            run = report.summarize_workload(res, steps, wl)
             run.update(policy="(running stack)", kind=plan.kind)
             runs.append(run)
             samples[f"(running stack)|{plan.spec}"] = res.samples

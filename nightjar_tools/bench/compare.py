@@ -453,8 +453,18 @@ class RunningStack:
         self.stack = Stack(cfg)
 
     async def __aenter__(self) -> Stack:
-        await asyncio.to_thread(self.stack.start)
-        return self.stack
+        starting = asyncio.ensure_future(asyncio.to_thread(self.stack.start))
+        try:
+            return await asyncio.shield(starting)
+        except BaseException:
+            # Interrupted (Ctrl-C, SIGTERM) mid-start: __aexit__ will not run and the thread cannot
+            # be cancelled, so it is told to give up (and stops what it started), and a stack that
+            # came up anyway is stopped here.
+            self.stack.abort_start()
+            await asyncio.wait([starting])
+            if not starting.cancelled() and starting.exception() is None:
+                await asyncio.to_thread(self.stack.stop)
+            raise
 
     async def __aexit__(self, *exc) -> None:
         await asyncio.to_thread(self.stack.stop)
@@ -522,7 +532,7 @@ async def _oracle(cmp: Comparison, cfg: CompareConfig, rep: int, bank: PromptBan
             speed = speed_probe_ms()
             async with KeepPublished(stack, table=table, name=report.ORACLE, first_version=100_000 * (rep * 100 + k + 1)):
                 result, steps = await run_on_stack(stack, wl, texts, cfg, f"oracle | {plan.spec}")
-            run = report.summarize(result, steps, warmup_s=wl.warmup_s)
+            run = report.summarize_workload(result, steps, wl)
             run.update(policy=report.ORACLE, kind=plan.kind, repeat=rep, loadavg_1m=os.getloadavg()[0], speed_probe_ms=speed,
                        oracle_table=table)
             cmp.runs.append(run)
@@ -545,7 +555,7 @@ async def _one_policy(cmp: Comparison, cfg: CompareConfig, policy: str, rep: int
             log(f"policy {policy} (repeat {rep + 1}/{cfg.repeats}): workload {plan.spec} ({shape})")
             speed = speed_probe_ms()
             result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | {plan.spec}")
-            run = report.summarize(result, steps, warmup_s=wl.warmup_s)
+            run = report.summarize_workload(result, steps, wl)
             # The machine is shared: its load average says how noisy this run's figures are.
             run.update(policy=policy, kind=plan.kind, repeat=rep, loadavg_1m=os.getloadavg()[0], speed_probe_ms=speed)
             cmp.runs.append(run)

@@ -3,8 +3,10 @@ and the headline ratios checked against the project's goals.
 
 Throughput is output tokens delivered ÷ makespan (first send to last completion, as vLLM's
 ``benchmark_serving`` measures it), so under an identical open-loop arrival schedule a policy
-that keeps up finishes sooner. Latencies are client-side (the gRPC stream as a user sees it).
-Inter-token latency is per request (last token − first token) ÷ (tokens − 1), then averaged.
+that keeps up finishes sooner. A closed loop's is the steady rate instead: tokens the clients
+received while all C were sending (``steady_tokens_per_s``); the makespan rate stays beside it.
+Latencies are client-side (the gRPC stream as a user sees it). Inter-token latency is per
+request (last token − first token) ÷ (tokens − 1), then averaged.
 """
 
 from __future__ import annotations
@@ -34,9 +36,38 @@ def stats(values: list[float]) -> dict:
     return {"mean": sum(xs) / len(xs) if xs else None, "p50": percentile(xs, 50), "p99": percentile(xs, 99), "n": len(xs)}
 
 
-def summarize(result: LoadResult, step_summary: dict | None = None, warmup_s: float = 0.0) -> dict:
+def steady_tokens_per_s(samples: list[dict], start_s: float, end_s: float) -> float | None:
+    """Output tokens per second the client received between ``start_s`` and ``end_s``, from the
+    sampler's per-interval rates (the cumulative count interpolated linearly at both ends); None
+    when the samples do not span the window."""
+    if end_s <= start_s or not samples:
+        return None
+    ts, cum, prev_t, total = [0.0], [0.0], 0.0, 0.0
+    for row in samples:  # tokens_per_s covers (previous sample, this one]
+        total += row["tokens_per_s"] * (row["t"] - prev_t)
+        prev_t = row["t"]
+        ts.append(row["t"])
+        cum.append(total)
+    if ts[-1] < end_s:
+        return None
+
+    def at(t: float) -> float:
+        i = next(k for k in range(1, len(ts)) if ts[k] >= t)
+        w = (t - ts[i - 1]) / max(ts[i] - ts[i - 1], 1e-9)
+        return cum[i - 1] + w * (cum[i] - cum[i - 1])
+    return (at(end_s) - at(start_s)) / (end_s - start_s)
+
+
+def summarize(result: LoadResult, step_summary: dict | None = None, warmup_s: float = 0.0,
+              steady_until_s: float | None = None) -> dict:
     """warmup_s: requests sent before it are left out (a closed loop's warm-up); the makespan
-    then starts at warmup_s."""
+    then starts at warmup_s. steady_until_s (a closed loop's end of sending): ``tokens_per_s``
+    is then the steady rate over [warmup_s, steady_until_s], not tokens ÷ makespan. A closed
+    loop's makespan ends with a drain in which the batch dwindles, over the length of a request
+    when the requests finish at different steps (speculation, whose acceptance varies) and not at
+    all when they finish together (γ = 0 with fixed-length requests): a drain-inclusive rate
+    charges that difference, which is not the load at C clients, to speculation (BENCHMARKS.md,
+    the live planner)."""
     recs = [r for r in result.records if r.status == "not_sent" or r.sent_s >= warmup_s]
     ok = [r for r in recs if r.ok]
     sent = [r for r in recs if r.status != "not_sent"]
@@ -52,13 +83,24 @@ def summarize(result: LoadResult, step_summary: dict | None = None, warmup_s: fl
         "failed": {s: sum(r.status == s for r in sent) for s in sorted({r.status for r in sent if not r.ok})},
         "output_tokens": tokens, "makespan_s": makespan,
         "tokens_per_s": tokens / makespan, "requests_per_s": len(ok) / makespan,
+        "makespan_tokens_per_s": tokens / makespan,
         "ttft_s": stats([r.ttft_s for r in ok]), "itl_s": stats([r.itl_s for r in ok]), "e2e_s": stats([r.e2e_s for r in ok]),
         "send_lag_s": stats(lag),
         "errors": sorted({f"{r.status}: {r.error}" for r in sent if not r.ok and r.error})[:5],
     }
+    if steady_until_s is not None:
+        steady = steady_tokens_per_s(result.samples, warmup_s, steady_until_s)
+        if steady is not None:
+            out["tokens_per_s"] = out["steady_tokens_per_s"] = steady
     if step_summary is not None:
         out["engine"] = step_summary
     return out
+
+
+def summarize_workload(result: LoadResult, step_summary: dict | None, wl) -> dict:
+    """``summarize`` for a run of ``wl`` (a ``Workload``): its warm-up left out, and a closed
+    loop's throughput taken over the window in which all its clients were sending."""
+    return summarize(result, step_summary, warmup_s=wl.warmup_s, steady_until_s=wl.duration_s if wl.clients else None)
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

@@ -116,6 +116,20 @@ def test_summarize_computes_throughput_and_latencies():
     assert s["itl_s"]["mean"] == pytest.approx((2.0 / 20 + 2.0 / 10) / 2)
 
 
+def test_a_closed_loops_throughput_is_its_steady_rate_not_its_drain():
+    # 8 tok/s while all clients send (0-10 s), then a 5 s drain at 2 tok/s; warm-up to 2 s
+    samples = [{"t": t / 2, "tokens_per_s": 8.0 if t <= 20 else 2.0} for t in range(1, 31)]
+    assert report.steady_tokens_per_s(samples, 2.0, 10.0) == pytest.approx(8.0)
+    assert report.steady_tokens_per_s(samples, 9.75, 10.25) == pytest.approx(5.0)  # interpolated inside a sample
+    assert report.steady_tokens_per_s(samples, 2.0, 16.0) is None  # the samples end at 15 s
+    recs = [_rec(i, 2.0 + i, 2.5 + i, 3.0 + i, 8) for i in range(8)] + [_rec(8, 9.9, 10.0, 15.0, 10)]
+    res = LoadResult("x", "closed:4", 0.0, 15.0, recs, samples)
+    open_rate, closed = report.summarize(res, warmup_s=2.0), report.summarize(res, warmup_s=2.0, steady_until_s=10.0)
+    assert open_rate["tokens_per_s"] == pytest.approx(74 / 13.0) == closed["makespan_tokens_per_s"]
+    assert closed["tokens_per_s"] == closed["steady_tokens_per_s"] == pytest.approx(8.0)
+    assert "steady_tokens_per_s" not in open_rate
+
+
 def _run(policy, wl, tps, e2e, ttft):
     return {"policy": policy, "workload": wl, "tokens_per_s": tps, "e2e_s": {"mean": e2e}, "ttft_s": {"p50": ttft}}
 
@@ -465,6 +479,10 @@ async def test_loadgen_closed_loop_keeps_exactly_c_in_flight(scripted_server):
     assert all(s - e < 0.05 for s, e in zip(starts, ends))
     full, counted = report.summarize(res), report.summarize(res, warmup_s=wl.warmup_s)
     assert counted["sent"] < full["sent"] and counted["makespan_s"] < full["makespan_s"]
+    # the steady rate, while all three send: each request is 3 responses of 2 tokens, step_s apart
+    steady = report.summarize_workload(res, None, wl)
+    assert steady["tokens_per_s"] == steady["steady_tokens_per_s"] > 0.9 * counted["makespan_tokens_per_s"]
+    assert steady["tokens_per_s"] <= 1.05 * 3 * 6 / (3 * servicer.step_s)
 
 
 def test_goal_rows_best_static_takes_the_best_of_each_repeat():

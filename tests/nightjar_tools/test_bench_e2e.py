@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,34 @@ def test_sigterm_stops_the_bench_and_the_stack_it_started(tmp_path):
         assert not left, left
     finally:
         for pid in [proc.pid, *stack]:  # a failure here must not leave a stack running
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
+def test_sigterm_while_the_stack_starts_stops_what_it_started(tmp_path):
+    # The start runs in a thread that a signal cannot cancel, and a stack that never finished
+    # starting is not stopped on the way out: before RunningStack waited for it, the bench exited
+    # and the stack came up behind it, orphaned.
+    cmd = [sys.executable, "-m", "nightjar_tools.cli", "bench", "--policies", "off", "--workloads", "closed:1@300",
+           "--target-model", str(paths.TINY_TARGET), "--draft-model", str(paths.TINY_DRAFT), "--no-progress",
+           "--out", str(tmp_path / "out")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stack: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while not any(" gateway " in c for c in stack.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the gateway is spawned last, just before the wait for the stack to be ready
+            stack.update(_children(proc.pid))
+        assert any(" worker " in c for c in stack.values()) and any(" gateway " in c for c in stack.values()), stack
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+        assert "workload closed:1" not in out  # interrupted during the start, as intended
+        left = {p: c for p, c in (stack | _children(proc.pid)).items() if _alive(p)}
+        assert not left, left
+    finally:
+        for pid in [proc.pid, *stack]:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
