@@ -3,6 +3,7 @@ worker with the shipped models), one policy, a short steady load, and every arte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -66,33 +67,42 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
-def test_sigterm_stops_the_bench_and_the_stack_it_started(tmp_path):
-    # Python's default SIGTERM action exits at once: a bench killed that way left its gateway,
-    # worker, scheduler, planner and Redis running (BENCHMARKS.md, thirteenth session).
+@contextlib.contextmanager
+def _long_bench(tmp_path):
+    """A ``nightjar bench`` process running a 300 s closed loop on the tiny pair, and a dict for
+    the test to fill with its stack's processes: whatever of them is alive at the end is killed,
+    so that a failing test leaves no stack running."""
     cmd = [sys.executable, "-m", "nightjar_tools.cli", "bench", "--policies", "off", "--workloads", "closed:1@300",
            "--target-model", str(paths.TINY_TARGET), "--draft-model", str(paths.TINY_DRAFT), "--no-progress",
            "--out", str(tmp_path / "out")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stack: dict[int, str] = {}
     try:
+        yield proc, stack
+    finally:
+        for pid in [proc.pid, *stack]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
+def test_sigterm_stops_the_bench_and_the_stack_it_started(tmp_path):
+    # Python's default SIGTERM action exits at once: a bench killed that way left its gateway,
+    # worker, scheduler, planner and Redis running (BENCHMARKS.md, thirteenth session).
+    with _long_bench(tmp_path) as (proc, stack):
         seen = []
         for line in proc.stdout:  # the load starts once the stack is up
             seen.append(line)
             if "workload closed:1" in line:
                 break
         assert "workload closed:1" in "".join(seen), "".join(seen)[-2000:]
-        stack = _children(proc.pid)
+        stack.update(_children(proc.pid))
         assert any(" worker " in c for c in stack.values()) and any(" gateway " in c for c in stack.values()), stack
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=90)
         left = {p: c for p, c in stack.items() if _alive(p)}
         assert not left, left
-    finally:
-        for pid in [proc.pid, *stack]:  # a failure here must not leave a stack running
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait()
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
@@ -100,12 +110,7 @@ def test_sigterm_while_the_stack_starts_stops_what_it_started(tmp_path):
     # The start runs in a thread that a signal cannot cancel, and a stack that never finished
     # starting is not stopped on the way out: before RunningStack waited for it, the bench exited
     # and the stack came up behind it, orphaned.
-    cmd = [sys.executable, "-m", "nightjar_tools.cli", "bench", "--policies", "off", "--workloads", "closed:1@300",
-           "--target-model", str(paths.TINY_TARGET), "--draft-model", str(paths.TINY_DRAFT), "--no-progress",
-           "--out", str(tmp_path / "out")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    stack: dict[int, str] = {}
-    try:
+    with _long_bench(tmp_path) as (proc, stack):
         deadline = time.monotonic() + 120
         while not any(" gateway " in c for c in stack.values()) and time.monotonic() < deadline:
             time.sleep(0.05)  # the gateway is spawned last, just before the wait for the stack to be ready
@@ -114,10 +119,5 @@ def test_sigterm_while_the_stack_starts_stops_what_it_started(tmp_path):
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
         assert "workload closed:1" not in out  # interrupted during the start, as intended
-        left = {p: c for p, c in (stack | _children(proc.pid)).items() if _alive(p)}
+        left = {p: c for p, c in stack.items() if _alive(p)}
         assert not left, left
-    finally:
-        for pid in [proc.pid, *stack]:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait()
