@@ -294,11 +294,10 @@ class Stack:
         keys = Keys(self.cfg.key_prefix)
         deadline = time.monotonic() + timeout_s
         client = connect_redis_sync(self.redis_url, socket_connect_timeout=1, socket_timeout=2)
-        with grpc.insecure_channel(self.address) as channel:
+        with contextlib.closing(client), grpc.insecure_channel(self.address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while True:
                 if self._abort.is_set():
-                    client.close()
                     raise RuntimeError("the stack's start was aborted")
                 for svc in self.services:
                     if not svc.alive() and svc.proc.returncode not in (None, -signal.SIGKILL):
@@ -307,12 +306,10 @@ class Stack:
                     status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
                     live = sum(client.exists(keys.heartbeat(w.decode())) for w in client.smembers(keys.workers))
                     if status == health_pb2.HealthCheckResponse.SERVING and live >= workers:
-                        client.close()
                         return
                 except (grpc.RpcError, redis.RedisError):
                     pass
                 if time.monotonic() > deadline:
-                    client.close()
                     tails = "\n".join(f"--- {s.name}\n{s.log_tail(15)}" for s in self.services)
                     raise TimeoutError(f"the stack was not ready within {timeout_s:.0f}s; logs:\n{tails}")
                 time.sleep(0.2)

@@ -11,6 +11,7 @@ request (last token − first token) ÷ (tokens − 1), then averaged.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import statistics
@@ -52,7 +53,7 @@ def steady_tokens_per_s(samples: list[dict], start_s: float, end_s: float) -> fl
         return None
 
     def at(t: float) -> float:
-        i = next(k for k in range(1, len(ts)) if ts[k] >= t)
+        i = max(bisect.bisect_left(ts, t), 1)
         w = (t - ts[i - 1]) / max(ts[i] - ts[i - 1], 1e-9)
         return cum[i - 1] + w * (cum[i] - cum[i - 1])
     return (at(end_s) - at(start_s)) / (end_s - start_s)
