@@ -48,9 +48,11 @@ class NightjarSettings:
     # A bucket takes its busier neighbour's γ when that is predicted within this of its own best:
     # a batch that hovers at a bucket boundary would otherwise switch γ at every crossing.
     table_margin: float = 0.03
-    # ... and within this when it has under 1/8 of that bucket's recent visits: a rare visit
-    # saves little by playing its own γ, and each visit costs two switches (there and back).
-    rare_table_margin: float = 0.15
+    # A bucket visited in short spells (a closed loop's turnover dips the batch for a step or two)
+    # plays the busiest bucket's γ unless its own saves more per visit than two switches cost,
+    # each priced at this many of the busiest bucket's steps: the draft's catch-up, and at γ = 0
+    # a cohort of requests that ended together and now ends apart (BENCHMARKS.md, the live planner).
+    switch_cost_steps: float = 1.0
     probe_budget: float = 0.05  # a probe runs at full rate if it costs <= 5% of the next bin's time
     change_tolerance: float = 0.3
     change_min_tokens: int = 1024  # emitted tokens of exploit bins behind each change test
@@ -77,7 +79,7 @@ class NightjarSettings:
             raise ValueError("need 0 <= epsilon_min <= epsilon0 <= 1")
         if not 0 < self.probe_budget <= 1:
             raise ValueError(f"probe_budget must be in (0, 1], got {self.probe_budget}")
-        if (min(self.probe_margin, self.probe_optimism, self.switch_margin, self.table_margin, self.rare_table_margin) < 0
+        if (min(self.probe_margin, self.probe_optimism, self.switch_margin, self.table_margin, self.switch_cost_steps) < 0
                 or self.change_tolerance <= 0 or self.initial_gamma < 0 or not 0 <= self.probe_cost_optimism < 1):
             raise ValueError("margins must be >= 0, change_tolerance > 0, initial_gamma >= 0, 0 <= probe_cost_optimism < 1")
 
@@ -103,6 +105,8 @@ class _Timeline:
         # client, batch 1 would otherwise lead batch 2 against 3-4 for good.
         self.recent = 0.0
         self.recent_at = 0
+        self.entries = 0.0  # visits begun, decayed like ``recent``: recent / entries = steps per visit
+        self.visit = 0  # steps of the visit in progress (of the worker that stepped here last)
         self.plays = [0] * arms
         self.last_played = [-(1 << 30)] * arms
         # Catch-up ms and plays per arm, both decayed per bucket step; ĉ = sum / (plays + 20), so an
@@ -197,8 +201,9 @@ class NightjarPolicy(GammaPolicy):
     catch-up C amortised over the bin's tokens (and only to an arm with ``verify_plays`` recent
     plays in the bucket: one measured long ago is probed first; and only if a probe that just
     measured it, priced at the step time it ran, confirms the gain), and takes the busier neighbouring
-    bucket's γ when that is within ``table_margin`` (``rare_table_margin`` where this bucket has few
-    of the neighbour's recent visits; a batch hovering at a boundary does not flip γ). With
+    bucket's γ when that is within ``table_margin`` (a batch hovering at a boundary does not flip
+    γ), or the busiest bucket's where this one is visited in spells too short to pay for two
+    switches (``switch_cost_steps``: a closed loop's turnover dips do not flip γ). With
     probability ε_j = max(ε_min, ε_0/(1+j)) it is instead a short probe bin (bin_base steps) of an
     uncertain arm (few plays here, or none for long) predicted within ``probe_margin`` of the greedy
     one; else, at rate ε_0, of an arm whose optimistic value beats the arm in force (of either
@@ -239,8 +244,9 @@ class NightjarPolicy(GammaPolicy):
         self._bucket_of = [bucket_index(self.buckets, b) for b in range(highs[-1] + 1)]
         self._bucket_end = len(self._bucket_of)
         self._block_tokens = settings.residency.block_tokens
-        # worker -> (γ=0 steps in a row, tokens per sequence, bucket of its last step, update no.)
-        self.workers_lag: dict[str, tuple[int, float, int, int]] = {}
+        # worker -> (γ=0 steps in a row, tokens per sequence, bucket of its last step, update no.,
+        # steps in a row in that bucket)
+        self.workers_lag: dict[str, tuple[int, float, int, int, int]] = {}
         self.updates = 0
         self.bins_ended = 0
         self.switches = 0  # table changes (bin decisions that changed a bucket's γ)
@@ -333,9 +339,10 @@ class NightjarPolicy(GammaPolicy):
         prefill_tokens = stats.prefill_tokens
         bucket = self._bucket_of[b] if b < self._bucket_end else bucket_index(self.buckets, b)
         tl = self.timelines[bucket]
-        run, _, zero_bucket, _ = self.workers_lag.get(stats.worker_id, (0, 0.0, bucket, 0))
+        run, _, zero_bucket, _, visit = self.workers_lag.get(stats.worker_id, (0, 0.0, bucket, 0, 0))
+        visit = visit + 1 if zero_bucket == bucket else 1
         tokens_per_seq = stats.kv_blocks_used * self._block_tokens / b
-        self.workers_lag[stats.worker_id] = (run + 1 if g == 0 else 0, tokens_per_seq, bucket, self.updates)
+        self.workers_lag[stats.worker_id] = (run + 1 if g == 0 else 0, tokens_per_seq, bucket, self.updates, visit)
         # Who pays a catch-up: after steady speculation it is the draft prefilling new prompts, a
         # running cost of this arm; after a γ=0 run in another bucket it is this arm too, the
         # switch having happened at this batch (a batch that dips for a step below a bucket at
@@ -344,8 +351,11 @@ class NightjarPolicy(GammaPolicy):
         # (amortised catch-up), so no arm is charged.
         tl.observe(b, g, catchup_ms if run == 0 or zero_bucket != bucket else 0.0)
         steps = tl.steps = tl.steps + 1
-        tl.recent = tl.recent * RECENT_DECAY ** (self.updates - tl.recent_at) + 1.0
+        decay = RECENT_DECAY ** (self.updates - tl.recent_at)
+        tl.recent = tl.recent * decay + 1.0
+        tl.entries = tl.entries * decay + (visit == 1)
         tl.recent_at = self.updates
+        tl.visit = visit
         tl.plays[g] += 1
         tl.last_played[g] = steps
         if g == tl.arm:  # the bin's observed loss, prefill rows taken out as the prediction does
@@ -356,6 +366,12 @@ class NightjarPolicy(GammaPolicy):
             tl.bin_steps += 1
             tl.bin_catchup_ms += catchup_ms
         tl.steps_left -= 1
+        if visit == 1 and tl.follows is None and not tl.probing and tl.entries >= 2.0 \
+                and tl.recent < self.settings.bin_base * tl.entries:
+            # Visited in short spells: decide at a visit's first step whether to follow the
+            # busiest bucket, not once per bin of its own steps (thousands of the batch's steps
+            # for a turnover dip).
+            tl.steps_left = 0
         if tl.steps_left <= 0:
             self._end_bin(tl, bucket)
         if self.settings.offload:
@@ -411,9 +427,10 @@ class NightjarPolicy(GammaPolicy):
             tl.steps_left = min(s.bin_max, s.bin_base << min(tl.block, 20))
         if tl.follows is not None:
             tl.arm = self.timelines[tl.follows].arm
-        for i in (bucket - 1, bucket + 1):  # followers switch with their leader, not at their next bin end
-            if 0 <= i < len(self.timelines) and self.timelines[i].follows == bucket:
-                self.timelines[i].arm = tl.arm
+            # A follower decides again after a short bin: when the load moves to it, its visits
+            # lengthen and its own γ should start within steps, not after its schedule's bin.
+            tl.steps_left = s.bin_base
+        self._sync_followers(bucket)
         tl.bin_index += 1
         if tl.bin_index >= s.bins_per_block:
             tl.block, tl.bin_index = tl.block + 1, 0
@@ -473,7 +490,7 @@ class NightjarPolicy(GammaPolicy):
         at its real cost. Every worker pays its own catch-up. Optimistic (0) until measured.
         """
         recent = self.updates - 5000  # a worker silent this long is gone (or idle: no lag)
-        lag = sum(min(run, ctx) if run < 16 else ctx for run, ctx, _, seen in self.workers_lag.values() if seen > recent)
+        lag = sum(min(run, ctx) if run < 16 else ctx for run, ctx, _, seen, _ in self.workers_lag.values() if seen > recent)
         return self.cost.catchup_ms_per_token() * batch * lag
 
     def _exploit_choice(self, tl: _Timeline, loss: np.ndarray) -> int:
@@ -491,20 +508,58 @@ class NightjarPolicy(GammaPolicy):
 
     def _follow_neighbour(self, tl: _Timeline, bucket: int, loss: np.ndarray, own: int) -> tuple[int, int | None]:
         """(γ, leader): the busier neighbouring bucket's γ and index where its γ costs at most
-        ``table_margin`` here (``rare_table_margin`` for a rarely visited bucket), else (this
-        bucket's own choice, None)."""
+        ``table_margin`` here, else the busiest bucket's where this one is visited in short spells
+        (``_follow_busiest``), else (this bucket's own choice, None)."""
         near = [i for i in (bucket - 1, bucket + 1) if 0 <= i < len(self.timelines)]
         leader = max(near, key=lambda i: self._recent(self.timelines[i]), default=None)
-        if leader is None or self.timelines[leader].follows == bucket:
+        if (leader is not None and self.timelines[leader].follows != bucket
+                and self._recent(self.timelines[leader]) > self._recent(tl)):
+            ref = self.timelines[leader].exploit_arm
+            if loss[ref] <= loss[own] * (1.0 + self.settings.table_margin):
+                return ref, leader
+        return self._follow_busiest(tl, bucket, loss, own)
+
+    def _follow_busiest(self, tl: _Timeline, bucket: int, loss: np.ndarray, own: int) -> tuple[int, int | None]:
+        """(the busiest bucket's γ, its index) where playing this bucket's own γ saves less per
+        visit than a switch there and one back cost, else (own, None).
+
+        A visit of k steps at the busiest bucket's γ r instead of its own emits k·B·E(r) tokens,
+        each (L(r) − L(own)) ms dearer; the two switches cost ``switch_cost_steps`` of the busiest
+        bucket's steps each. k is the longer of the mean past visit and the one in progress, so
+        a bucket the load has just moved to (one long visit) plays its own γ from its next bin end.
+        Live at 16 clients, the turnover dips (batch 3-8 for one or two steps every ~64) ran
+        γ = 2-4 beside γ = 0 at batch 9-16: 32 switches per 1,000 steps, a cohort desynchronised."""
+        timelines = self.timelines
+        busiest = max(range(len(timelines)), key=lambda i: self._recent(timelines[i]))
+        lead = timelines[busiest]
+        # A busiest bucket not stepped in lately is the load before a change, not where this
+        # bucket's visits return to: after a drop from 48 clients to 1, its γ = 0 would hold.
+        if busiest == bucket or lead.follows is not None or self.updates - lead.recent_at > 4 * self.settings.bin_base:
             return own, None
-        own_visits, leader_visits = self._recent(tl), self._recent(self.timelines[leader])
-        if leader_visits <= own_visits:
+        ended = tl.entries - 1.0  # visits before the one in progress
+        if ended < 0.5:  # none yet: a new load level's first steps are no evidence of short visits
             return own, None
-        ref = self.timelines[leader].exploit_arm
-        rare = 8 * own_visits < leader_visits
-        if loss[ref] <= loss[own] * (1.0 + (self.settings.rare_table_margin if rare else self.settings.table_margin)):
-            return ref, leader
+        ref = lead.exploit_arm
+        expected = self.acceptance.expected_tokens()
+        sizes, weights = tl.support()
+        visit = max((tl.recent - tl.visit) / ended, tl.visit)
+        saving = visit * float(weights @ sizes) * expected[ref] * float(loss[ref] - loss[own])  # ms per visit
+        lead_sizes, lead_weights = lead.support()
+        lead_step = float(self.losses(busiest)[ref]) * float(lead_weights @ lead_sizes) * expected[ref]
+        if saving <= 2.0 * self.settings.switch_cost_steps * lead_step:
+            return ref, busiest
         return own, None
+
+    def _sync_followers(self, bucket: int) -> None:
+        """Followers (and theirs) switch with their leader, not at their next bin end."""
+        todo, done = [bucket], {bucket}
+        while todo:
+            leader = todo.pop()
+            for i, other in enumerate(self.timelines):
+                if other.follows == leader and i not in done:
+                    other.arm = self.timelines[leader].arm
+                    done.add(i)
+                    todo.append(i)
 
     def _recent(self, tl: _Timeline) -> float:
         """The bucket's visits, decayed to now."""
@@ -582,7 +637,7 @@ class NightjarPolicy(GammaPolicy):
             "timelines": [{"arm": t.arm, "exploit_arm": t.exploit_arm, "block": t.block, "bin_index": t.bin_index,
                            "steps": t.steps, "plays": t.plays, "last_played": t.last_played,
                            "catchup": t.catchup, "recent_plays": t.recent_plays, "hist": list(t.hist),
-                           "recent": [t.recent, t.recent_at]} for t in self.timelines],
+                           "recent": [t.recent, t.recent_at, t.entries]} for t in self.timelines],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -607,7 +662,7 @@ class NightjarPolicy(GammaPolicy):
             tl.last_played = [int(x) for x in row["last_played"]]
             tl.catchup = [float(x) for x in row["catchup"]]
             tl.recent_plays = [float(x) for x in row.get("recent_plays", [0.0] * arms)]
-            recent, recent_at = row.get("recent", [0.0, 0])
-            tl.recent, tl.recent_at = float(recent), int(recent_at)
+            recent, recent_at, entries = (list(row.get("recent", [])) + [0.0, 0, 0.0])[:3]  # older: no entries
+            tl.recent, tl.recent_at, tl.entries = float(recent), int(recent_at), float(entries)
             tl.hist = [float(x) for x in row["hist"]]
             tl._support = None

@@ -98,6 +98,7 @@ class SimWorker:
         self.offloads = 0
         self.reloads = 0
         self.step_no = 0
+        self.finished: list[int] = []  # requests finished since the caller last cleared it
 
     @property
     def draft_ready(self) -> bool:
@@ -212,6 +213,7 @@ class SimWorker:
                 finished = rem <= self.ticks
                 done = seq[:, :n][:, finished]  # [5, f]
                 done_ms[done[REQ]] = end
+                self.finished.extend(done[REQ].tolist())
                 self.reserved -= int(done[RESV].sum())
                 keep = seq[:, :n][:, ~finished]  # [5, k]
                 n = self.n = keep.shape[1]
@@ -223,6 +225,7 @@ class SimWorker:
             need = prompt[r] + output[r] + self.gamma_max
             if left <= 0:
                 done_ms[r] = end
+                self.finished.append(r)
                 self.reserved -= need
                 continue
             # draft lag: the whole prompt (the draft has not seen it)

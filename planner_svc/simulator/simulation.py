@@ -8,6 +8,7 @@ worker jumps to the next arrival.
 
 from __future__ import annotations
 
+import heapq
 import math
 import operator
 from collections import deque
@@ -40,6 +41,13 @@ class SimConfig:
     drift_period_ms: float = 5000.0
     alphas: tuple[float, ...] = DEFAULT_ALPHAS  # used unless the cost surface measured acceptance
     seed: int = 0
+    # A closed loop of this many clients (0: open, the trace's arrival times): request i + C is
+    # sent when request i finishes, after readmit_ms × U(0.5, 1.5), the client's round trip through
+    # the gateway and the queue. Without that gap a finished slot refills in the next step, and
+    # the live stack's turnover dips (a cohort ending together, the batch at 3-8 for a step or
+    # two while the next requests arrive) never happen. The trace's later arrival times are unused.
+    closed_clients: int = 0
+    readmit_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.gamma_max <= 16 or self.max_batch < 1 or self.workers < 1:
@@ -50,6 +58,8 @@ class SimConfig:
             raise ValueError("offload_ms, reload_ms must be >= 0 and block_tokens >= 1")
         if not 0 <= self.drift < 1 or self.drift_period_ms <= 0:
             raise ValueError("need 0 <= drift < 1 and drift_period_ms > 0")
+        if self.closed_clients < 0 or self.readmit_ms < 0:
+            raise ValueError("need closed_clients >= 0 and readmit_ms >= 0")
 
 
 @dataclass
@@ -107,7 +117,8 @@ def simulate(trace: Trace, policy: GammaPolicy, surface: CostSurface, config: Si
                          kv_tokens=config.kv_tokens, draft_kv_share=config.draft_kv_share,
                          block_tokens=config.block_tokens, offload_ms=config.offload_ms,
                          reload_ms=config.reload_ms, gamma_max=config.gamma_max) for i in range(config.workers)]
-    arrivals = trace.arrival_ms.tolist()  # list: fast scalar reads
+    arrival_ms = np.array(trace.arrival_ms, dtype=float)  # a closed loop rewrites the later ones
+    arrivals = arrival_ms.tolist()  # list: fast scalar reads
     # A request longer than one worker's pool could never be admitted: clip it to fit.
     output_arr = np.minimum(trace.output_tokens, config.kv_tokens - trace.prompt_tokens - config.gamma_max).clip(1)
     prompt, output = trace.prompt_tokens.tolist(), output_arr.tolist()  # lists: fast scalar reads
@@ -116,7 +127,10 @@ def simulate(trace: Trace, policy: GammaPolicy, surface: CostSurface, config: Si
     first = np.full(total, np.nan)
     done = np.full(total, np.nan)
     queue: deque[int] = deque()
-    nxt = 0
+    clients = min(config.closed_clients, total)
+    pending = [(arrivals[i], i) for i in range(clients)]  # closed loop: (send time, request), a heap
+    readmit_rng = np.random.default_rng([config.seed, 2])
+    nxt = clients if clients else 0  # open loop: the next arrival in trace order
     calls = PolicyCalls(policy)
     noise, single = config.noise, len(workers) == 1
     by_clock = operator.attrgetter("clock")
@@ -134,14 +148,30 @@ def simulate(trace: Trace, policy: GammaPolicy, surface: CostSurface, config: Si
             speed_until = (now // period + 1.0) * period
             for other in workers:
                 other.speed = speed
-        while nxt < total and arrivals[nxt] <= now:
-            queue.append(nxt)
-            nxt += 1
-        if not w.step(queue, prompt, output, calls, uniforms, noise, first, done):
-            if nxt < total:
-                w.clock = max(now, arrivals[nxt])
+        if clients:
+            while pending and pending[0][0] <= now:
+                queue.append(heapq.heappop(pending)[1])
+        else:
+            while nxt < total and arrivals[nxt] <= now:
+                queue.append(nxt)
+                nxt += 1
+        stepped = w.step(queue, prompt, output, calls, uniforms, noise, first, done)
+        if clients and w.finished:
+            for r in w.finished:  # its client sends the next request after the round trip
+                if r + clients < total:
+                    sent = float(done[r]) + config.readmit_ms * (0.5 + readmit_rng.random())
+                    arrival_ms[r + clients] = sent
+                    heapq.heappush(pending, (sent, r + clients))
+            w.finished.clear()
+        if not stepped:
+            upcoming = pending[0][0] if pending else math.inf if clients else arrivals[nxt] if nxt < total else math.inf
+            if upcoming < math.inf:
+                w.clock = max(now, upcoming)
             elif queue:
                 w.clock += 1.0  # cannot happen with a sane pool; never spin on the same instant
+            elif clients and any(other.n for other in workers):
+                # a live request on another worker will send the next one: wait for it
+                w.clock = max(min(other.clock for other in workers if other.n), now + 0.5)
             else:
                 w.clock = math.inf  # nothing left for this worker
     assert not np.isnan(done).any()  # every request finished
@@ -149,7 +179,7 @@ def simulate(trace: Trace, policy: GammaPolicy, surface: CostSurface, config: Si
         trace=trace.name, policy=policy.name, requests=total, output_tokens=int(output_arr.sum()),
         makespan_ms=float(done.max() - arrivals[0]), steps=sum(w.step_no for w in workers),
         switches=sum(w.switches for w in workers), offloads=sum(w.offloads for w in workers),
-        reloads=sum(w.reloads for w in workers), latency_ms=done - trace.arrival_ms, ttft_ms=first - trace.arrival_ms)
+        reloads=sum(w.reloads for w in workers), latency_ms=done - arrival_ms, ttft_ms=first - arrival_ms)
 
 
 def trace_for(shape: str, surface: CostSurface, config: SimConfig = SimConfig(), *, requests: int = 2000,

@@ -315,3 +315,17 @@ def test_a_bucket_follows_the_neighbour_busy_now_not_the_one_busy_before():
     steady = [g for _, g in played[start + 500:]]
     switches = sum(a != b for a, b in zip(steady, steady[1:]))
     assert 1000 * switches / len(steady) <= 10, switches
+
+
+def test_live_turnover_dips_at_16_clients_do_not_flip_gamma():
+    # Engine steps recorded live at 16 clients (fourteenth session, 3,400 steps): at γ = 0 the
+    # requests that start together end together, and the batch dips to 3-8 for a step or two while
+    # their clients send the next ones. The planner ran those dips at their buckets' own γ = 2-4:
+    # two switches per dip, 32 per 1,000 steps, and 0.96x `off`.
+    played = replay("live_stats_serve_closed16.json")
+    steady = played[len(played) // 4:]
+    dips = [(before, dip) for (b0, before), (b1, dip) in zip(steady, steady[1:]) if b1 <= 8 < b0]
+    assert len(dips) >= 20, len(dips)
+    assert sum(a == b for a, b in dips) >= 0.9 * len(dips), dips
+    switches = sum(a != b for (_, a), (_, b) in zip(steady, steady[1:]))
+    assert 1000 * switches / len(steady) <= 10, switches

@@ -133,6 +133,27 @@ def test_drift_moves_every_step_of_a_period_together_and_nothing_else():
     assert all(0.7 <= f <= 1.3 for f in factors) and max(factors) - min(factors) > 0.05, factors
 
 
+def test_a_closed_loop_sends_each_request_after_its_predecessor_and_dips_at_turnover():
+    # 8 clients × 10 requests of 64 tokens: request i + 8 is sent readmit_ms × U(0.5, 1.5) after
+    # request i ends. Without the round trip every freed slot refills in the next step, so the
+    # batch never dips; with it, the requests that ended together leave the batch short for a step.
+    n, clients = 80, 8
+    trace = Trace("closed:8", np.zeros(n), np.full(n, 16), np.full(n, 64))
+    dips = {}
+    for readmit in (0.0, 30.0):
+        config = SimConfig(gamma_max=GAMMA_MAX, max_batch=clients, seed=3, closed_clients=clients, readmit_ms=readmit)
+        rec = Recorder(make_policy("off", gamma_max=GAMMA_MAX))
+        result = simulate(trace, rec, SURFACE, config)
+        assert result.requests == n and result.output_tokens == 64 * n
+        for c in range(clients):  # one client's requests never overlap, and each waits its round trip
+            assert result.latency_ms[c::clients].sum() + 9 * 0.5 * readmit <= result.makespan_ms
+        steps = [s.batch_size for s in rec.seen[: len(rec.seen) * 3 // 4]]  # before the last round drains
+        dips[readmit] = sum(b < clients for b in steps)
+    assert dips[0.0] == 0 and dips[30.0] >= 5, dips
+    with pytest.raises(ValueError, match="closed_clients"):
+        SimConfig(closed_clients=-1)
+
+
 def test_off_beats_fixed_at_high_load_and_loses_at_low_load():
     """The cost surface encodes the premise: speculation pays memory-bound, costs compute-bound."""
     config = SimConfig(gamma_max=GAMMA_MAX, max_batch=48, kv_tokens=65536)
