@@ -144,6 +144,12 @@ class _Timeline:
         self.recent_plays = [p / self.catchup_scale for p in self.recent_plays]
         self.hist_scale = self.catchup_scale = 1.0
 
+    def visit_steps(self) -> float:
+        """Steps per visit: the longer of the mean past visit and the one in progress; inf before
+        a second visit (a new load level's first steps are no evidence of short visits)."""
+        ended = self.entries - 1.0  # visits before the one in progress
+        return max((self.recent - self.visit) / ended, self.visit) if ended >= 0.5 else math.inf
+
     def catchup_per_step(self) -> np.ndarray:
         """ĉ per arm, [γmax+1]: elementwise in Python (the same doubles), one array at the end."""
         prior = 20.0 * self.catchup_scale
@@ -366,8 +372,7 @@ class NightjarPolicy(GammaPolicy):
             tl.bin_steps += 1
             tl.bin_catchup_ms += catchup_ms
         tl.steps_left -= 1
-        if visit == 1 and tl.follows is None and not tl.probing and tl.entries >= 2.0 \
-                and tl.recent < self.settings.bin_base * tl.entries:
+        if visit == 1 and tl.follows is None and tl.visit_steps() < self.settings.bin_base:
             # Visited in short spells: decide at a visit's first step whether to follow the
             # busiest bucket, not once per bin of its own steps (thousands of the batch's steps
             # for a turnover dip).
@@ -417,8 +422,9 @@ class NightjarPolicy(GammaPolicy):
         tl.exploit_arm, tl.follows = self._follow_neighbour(tl, bucket, loss, choice)
         # A bucket that follows a busier one plays that bucket's arm, probes included, and does
         # not probe itself: its visits are the boundary crossings, and the shared models already
-        # learn from the busier bucket's steps.
-        probe = None if tl.follows is not None else (
+        # learn from the busier bucket's steps. Nor does one visited in short spells: a probe bin
+        # of its own steps spans many visits, two switches each.
+        probe = None if tl.follows is not None or tl.visit_steps() < s.bin_base else (
             verify if verify is not None else self._probe_choice(tl, loss, self._hopeful(tl, bucket)))
         if probe is not None:
             tl.arm, tl.probing, tl.steps_left = probe, True, s.bin_base
@@ -536,13 +542,12 @@ class NightjarPolicy(GammaPolicy):
         # bucket's visits return to: after a drop from 48 clients to 1, its γ = 0 would hold.
         if busiest == bucket or lead.follows is not None or self.updates - lead.recent_at > 4 * self.settings.bin_base:
             return own, None
-        ended = tl.entries - 1.0  # visits before the one in progress
-        if ended < 0.5:  # none yet: a new load level's first steps are no evidence of short visits
+        visit = tl.visit_steps()
+        if visit == math.inf:
             return own, None
         ref = lead.exploit_arm
         expected = self.acceptance.expected_tokens()
         sizes, weights = tl.support()
-        visit = max((tl.recent - tl.visit) / ended, tl.visit)
         saving = visit * float(weights @ sizes) * expected[ref] * float(loss[ref] - loss[own])  # ms per visit
         lead_sizes, lead_weights = lead.support()
         lead_step = float(self.losses(busiest)[ref]) * float(lead_weights @ lead_sizes) * expected[ref]
