@@ -156,8 +156,8 @@ def simulate(trace: Trace, policy: GammaPolicy, surface: CostSurface, config: Si
                 queue.append(nxt)
                 nxt += 1
         stepped = w.step(queue, prompt, output, calls, uniforms, noise, first, done)
-        if clients and w.finished:
-            for r in w.finished:  # its client sends the next request after the round trip
+        if w.finished:
+            for r in w.finished if clients else ():  # its client sends the next request after the round trip
                 if r + clients < total:
                     sent = float(done[r]) + config.readmit_ms * (0.5 + readmit_rng.random())
                     arrival_ms[r + clients] = sent
