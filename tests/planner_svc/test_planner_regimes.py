@@ -297,7 +297,8 @@ def test_live_steps_at_a_small_batch_switch_rarely(recording):
     # runs at 25 times per 1,000 steps: 8-step bins missing their prediction on acceptance luck
     # restarted the schedule, γ 3 and 4 within 1% flipped, and bucket 2-2 lagged 3-4's changes.
     # The serve pair's (3,908 steps), 14-19: batch 2, seen in 1 of 30 steps, kept its own γ = 4
-    # beside bucket 3-4's γ = 3, so every dip to 2 was two switches (rare_table_margin).
+    # beside bucket 3-4's γ = 3, so every dip to 2 was two switches (held first by rare_table_margin,
+    # now by the visit-length rule, _follow_busiest).
     played = [gamma for _, gamma in replay(recording)]
     steady = played[len(played) // 4:]
     switches = sum(a != b for a, b in zip(steady, steady[1:]))
@@ -318,7 +319,7 @@ def test_a_bucket_follows_the_neighbour_busy_now_not_the_one_busy_before():
 
 
 def test_live_turnover_dips_at_16_clients_do_not_flip_gamma():
-    # Engine steps recorded live at 16 clients (fourteenth session, 3,400 steps): at γ = 0 the
+    # Engine steps recorded live at 16 clients (fourteenth session, 3,481 steps): at γ = 0 the
     # requests that start together end together, and the batch dips to 3-8 for a step or two while
     # their clients send the next ones. The planner ran those dips at their buckets' own γ = 2-4:
     # two switches per dip, 32 per 1,000 steps, and 0.96x `off`.
