@@ -130,7 +130,7 @@ def simulate(trace: Trace, policy: GammaPolicy, surface: CostSurface, config: Si
     clients = min(config.closed_clients, total)
     pending = [(arrivals[i], i) for i in range(clients)]  # closed loop: (send time, request), a heap
     readmit_rng = np.random.default_rng([config.seed, 2])
-    nxt = clients if clients else 0  # open loop: the next arrival in trace order
+    nxt = 0  # open loop: the next arrival in trace order
     calls = PolicyCalls(policy)
     noise, single = config.noise, len(workers) == 1
     by_clock = operator.attrgetter("clock")
@@ -157,14 +157,18 @@ def simulate(trace: Trace, policy: GammaPolicy, surface: CostSurface, config: Si
                 nxt += 1
         stepped = w.step(queue, prompt, output, calls, uniforms, noise, first, done)
         if w.finished:
-            for r in w.finished if clients else ():  # its client sends the next request after the round trip
-                if r + clients < total:
-                    sent = float(done[r]) + config.readmit_ms * (0.5 + readmit_rng.random())
-                    arrival_ms[r + clients] = sent
-                    heapq.heappush(pending, (sent, r + clients))
+            if clients:
+                for r in w.finished:  # its client sends the next request after the round trip
+                    if r + clients < total:
+                        sent = float(done[r]) + config.readmit_ms * (0.5 + readmit_rng.random())
+                        arrival_ms[r + clients] = sent
+                        heapq.heappush(pending, (sent, r + clients))
             w.finished.clear()
         if not stepped:
-            upcoming = pending[0][0] if pending else math.inf if clients else arrivals[nxt] if nxt < total else math.inf
+            if clients:
+                upcoming = pending[0][0] if pending else math.inf
+            else:
+                upcoming = arrivals[nxt] if nxt < total else math.inf
             if upcoming < math.inf:
                 w.clock = max(now, upcoming)
             elif queue:
