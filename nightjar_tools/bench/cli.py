@@ -92,6 +92,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--oracle", action="store_true",
                    help="after each repeat, also run the hindsight oracle: per workload, the best static table on the "
                         "surface that repeat measured (on by default with --headline)")
+    p.add_argument("--record", action="store_true",
+                   help="also write every run's engine steps to OUT/steps/, in the planner tests' replay format")
     p.add_argument("--report", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
                    help="run nothing: merge earlier results.json files (each one a repeat) into one report and plots")
     p.add_argument("--no-progress", action="store_true")
@@ -160,7 +162,7 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
                             target_model=a.target_model, draft_model=a.draft_model,
                             worker_threads=a.worker_threads, capacity_rps=capacity, fixed_gamma=fixed_gamma,
                             capacity_probe_s=12.0 if a.quick else 20.0, repeats=a.repeats, progress=not a.no_progress,
-                            oracle=a.oracle or a.headline)
+                            oracle=a.oracle or a.headline, record=a.record)
     except ValueError as exc:
         p.error(str(exc))
     t0 = time.monotonic()

@@ -21,7 +21,7 @@ import numpy as np
 from nightjar import paths
 from nightjar_tools.bench import report
 from nightjar_tools.bench.loadgen import LoadConfig, LoadResult, model_info, run_load
-from nightjar_tools.bench.probe import StackProbe, summarize_steps
+from nightjar_tools.bench.probe import StackProbe, recording, summarize_steps
 from nightjar_tools.bench.workload import LengthScale, PromptBank, Workload, build
 from nightjar.keys import Keys
 from nightjar.messages import Policy, PolicyHold, StepStats
@@ -86,6 +86,7 @@ class CompareConfig:
     # After each repeat's sweep, run the hindsight oracle (report.oracle_table of that repeat's
     # measured surface, per workload) on one more stack, the bench publishing its table.
     oracle: bool = False
+    record: bool = False  # write every run's engine steps to OUT/steps/ (the planner tests' replay format)
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -554,7 +555,12 @@ async def _one_policy(cmp: Comparison, cfg: CompareConfig, policy: str, rep: int
                      else f"{len(wl)} requests over {plan.duration_s:.0f} s")
             log(f"policy {policy} (repeat {rep + 1}/{cfg.repeats}): workload {plan.spec} ({shape})")
             speed = speed_probe_ms()
-            result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | {plan.spec}")
+            seen: list[StepStats] | None = [] if cfg.record else None
+            result, steps = await run_on_stack(stack, wl, texts, cfg, f"{policy} | {plan.spec}", steps_into=seen)
+            if seen is not None:
+                (cfg.out_dir / "steps").mkdir(parents=True, exist_ok=True)
+                (cfg.out_dir / "steps" / f"{safe}_{plan.spec.replace('@', '-').replace(':', '_')}.json").write_text(
+                    json.dumps(recording(seen, f"nightjar bench {policy} | {plan.spec}, repeat {rep + 1}")))
             run = report.summarize_workload(result, steps, wl)
             # The machine is shared: its load average says how noisy this run's figures are.
             run.update(policy=policy, kind=plan.kind, repeat=rep, loadavg_1m=os.getloadavg()[0], speed_probe_ms=speed)

@@ -114,6 +114,7 @@ class _Timeline:
         self.catchup = [0.0] * arms
         self.recent_plays = [0.0] * arms
         self.hist_scale = self.catchup_scale = 1.0
+        self.prefill = 0.0  # prompt tokens the target prefilled per step here, averaged over ~32 steps
         self.bin_ms = 0.0
         self.bin_tokens = 0.0
         self.bin_steps = 0
@@ -150,10 +151,17 @@ class _Timeline:
         ended = self.entries - 1.0  # visits before the one in progress
         return max((self.recent - self.visit) / ended, self.visit) if ended >= 0.5 else math.inf
 
-    def catchup_per_step(self) -> np.ndarray:
-        """ĉ per arm, [γmax+1]: elementwise in Python (the same doubles), one array at the end."""
+    def catchup_per_step(self, prompt_ms_per_token: float = 0.0) -> np.ndarray:
+        """ĉ per arm, [γmax+1]: elementwise in Python (the same doubles), one array at the end.
+
+        Each γ > 0 arm pays at least the draft's prefill of the prompts the target prefills here
+        (``prompt_ms_per_token`` × the bucket's prompt tokens per step), played or not: under a
+        queue of long prompts that is most of a step's catch-up, and an arm's own history, diluted
+        by the 20-play prior, priced it at a quarter of that (BENCHMARKS.md, the live planner)."""
         prior = 20.0 * self.catchup_scale
-        return np.array([c / (p + prior) for c, p in zip(self.catchup, self.recent_plays)])
+        prompts = prompt_ms_per_token * self.prefill
+        return np.array([max(c / (p + prior), prompts if g else 0.0)
+                         for g, (c, p) in enumerate(zip(self.catchup, self.recent_plays))])
 
     def support(self) -> tuple[np.ndarray, np.ndarray]:
         """Batch sizes of the bucket that matter [k] and their weights [k], summing to 1."""
@@ -197,7 +205,8 @@ class _PriorFit:
 class NightjarPolicy(GammaPolicy):
     """with p_b the bucket's (decayed) batch-size histogram, t̂ the fitted step-cost model
     (StepCostModel), Ê the expected tokens per sequence from per-position acceptance
-    (AcceptanceEstimate) and ĉ the measured catch-up ms per step when the arm is played. Every
+    (AcceptanceEstimate) and ĉ the measured catch-up ms per step when the arm is played, at least
+    the draft's prefill of the prompt tokens the bucket's steps prefill (for γ > 0). Every
     step updates t̂ and Ê, which predict *every* arm, so no arm has to be played to be valued.
 
     Schedule (ADA-BinGreedy style, per bucket): the bucket's own steps form a timeline of blocks;
@@ -305,7 +314,8 @@ class NightjarPolicy(GammaPolicy):
         step model's optimistic extrapolation."""
         tl = self.timelines[bucket]
         sizes, weights = tl.support()
-        step = weights @ self.cost.step_ms(sizes, self.gamma_max, optimism > 0) + tl.catchup_per_step()  # [G+1]
+        step = (weights @ self.cost.step_ms(sizes, self.gamma_max, optimism > 0)
+                + tl.catchup_per_step(self.cost.catchup_ms_per_token()))  # [G+1]
         expected = self.acceptance.optimistic_tokens(optimism) if optimism else self.acceptance.expected_tokens()
         tokens = float(weights @ sizes) * np.asarray(expected)  # [G+1]
         return step / tokens
@@ -356,6 +366,7 @@ class NightjarPolicy(GammaPolicy):
         # in this bucket it is this bucket's own switch, which the decision rules already price
         # (amortised catch-up), so no arm is charged.
         tl.observe(b, g, catchup_ms if run == 0 or zero_bucket != bucket else 0.0)
+        tl.prefill += (prefill_tokens - tl.prefill) / min(tl.steps + 1, 32)  # (a mean over the first 32)
         steps = tl.steps = tl.steps + 1
         decay = RECENT_DECAY ** (self.updates - tl.recent_at)
         tl.recent = tl.recent * decay + 1.0
@@ -364,7 +375,9 @@ class NightjarPolicy(GammaPolicy):
         tl.visit = visit
         tl.plays[g] += 1
         tl.last_played[g] = steps
-        if g == tl.arm:  # the bin's observed loss, prefill rows taken out as the prediction does
+        if g == tl.arm and not self.cost.prefill_dominates(b, g, prefill_tokens):
+            # the bin's observed loss, prefill rows taken out as the prediction does (a step
+            # that is mostly prefill would measure c's error instead)
             prefill_ms = self.cost.prefill_ms_per_token * prefill_tokens
             tl.bin_ms += draft_ms + max(verify_ms - prefill_ms, 0.0) + catchup_ms
             emitted = stats.emitted_tokens
@@ -414,10 +427,13 @@ class NightjarPolicy(GammaPolicy):
         choice, verify = self._exploit_choice(tl, loss), None
         if tl.probing and choice == tl.arm != tl.exploit_arm and not self._probe_confirms(tl, loss):
             choice = tl.exploit_arm
-        if choice != tl.exploit_arm and tl.recent_plays[choice] < s.verify_plays * tl.catchup_scale:
+        if (choice != tl.exploit_arm and tl.follows is None
+                and tl.recent_plays[choice] < s.verify_plays * tl.catchup_scale):
             # Measured too long ago to switch on: on a shared machine its figure may be from a
             # faster or slower minute than the arm in force. Probe it first; switch at the next
-            # bin end if it still wins.
+            # bin end if it still wins. Not where the arm in force was a leader's: nothing here
+            # chose it, and live the probe's detour held a spike at the γ = 1 of the quiet
+            # batch sizes for 60 steps (BENCHMARKS.md, the live planner).
             choice, verify = tl.exploit_arm, choice
         tl.exploit_arm, tl.follows = self._follow_neighbour(tl, bucket, loss, choice)
         # A bucket that follows a busier one plays that bucket's arm, probes included, and does
@@ -642,7 +658,7 @@ class NightjarPolicy(GammaPolicy):
             "timelines": [{"arm": t.arm, "exploit_arm": t.exploit_arm, "block": t.block, "bin_index": t.bin_index,
                            "steps": t.steps, "plays": t.plays, "last_played": t.last_played,
                            "catchup": t.catchup, "recent_plays": t.recent_plays, "hist": list(t.hist),
-                           "recent": [t.recent, t.recent_at, t.entries]} for t in self.timelines],
+                           "recent": [t.recent, t.recent_at, t.entries], "prefill": t.prefill} for t in self.timelines],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -670,4 +686,5 @@ class NightjarPolicy(GammaPolicy):
             recent, recent_at, entries = (list(row.get("recent", [])) + [0.0, 0, 0.0])[:3]  # older: no entries
             tl.recent, tl.recent_at, tl.entries = float(recent), int(recent_at), float(entries)
             tl.hist = [float(x) for x in row["hist"]]
+            tl.prefill = float(row.get("prefill", 0.0))
             tl._support = None

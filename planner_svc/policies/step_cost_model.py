@@ -22,6 +22,12 @@ class StepCostSettings:
     # an arm measured once, in a load transition or a slow minute of a shared machine, is then
     # re-priced by its next probe instead of being nudged by 1/weight_cap per step.
     half_life_steps: float = 256.0
+    # A step that also prefilled prompts teaches v(n) only while its prefill rows (c·P) cost at
+    # most this many times its decode rows: past that, c's error swamps v(n). Live under a queue
+    # of long prompts (P ≈ 430 beside n ≈ 21-84), c learned at 0.49 against 0.6-0.65 there pushed
+    # 50 ms a step into v(21), and γ = 0 looked 3× its cost (BENCHMARKS.md, the live planner).
+    # A closed loop's turnover steps (one short prompt beside a small batch) stay below it.
+    max_prefill_share: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 2:
@@ -32,6 +38,8 @@ class StepCostSettings:
             raise ValueError(f"half_life_steps must be > 0, got {self.half_life_steps}")
         if not self.draft_prior_ratio > 0:
             raise ValueError(f"draft_prior_ratio must be > 0, got {self.draft_prior_ratio}")
+        if not self.max_prefill_share > 0:
+            raise ValueError(f"max_prefill_share must be > 0, got {self.max_prefill_share}")
 
 
 def _isotonic(values: list[float], weights: list[float]) -> list[float]:
@@ -284,7 +292,7 @@ class StepCostModel:
 
         verify_ms ≈ v(n) + c·prefill_tokens. Where v(n) is already known (``_decode_ms``), the
         residual teaches c (a running mean); once c is known, the step also teaches v(n) with
-        c·prefill removed.
+        c·prefill removed, unless the prefill dominates the step (``prefill_dominates``).
         """
         n = batch_size * (gamma + 1)
         self.clock += 1
@@ -294,8 +302,19 @@ class StepCostModel:
             per_token = max((verify_ms - decode_ms) / prefill_tokens, 0.0)
             self.prefill_seen = min(self.prefill_seen + 1.0, self.settings.weight_cap)
             self.prefill_ms_per_token += (per_token - self.prefill_ms_per_token) / self.prefill_seen
-        if self.prefill_seen >= 8:
+        if self.prefill_seen >= 8 and not (decode_ms is not None and self._dominates(prefill_tokens, decode_ms)):
             self._observe_verify(batch_size, n, max(verify_ms - self.prefill_ms_per_token * prefill_tokens, 0.0))
+
+    def prefill_dominates(self, batch_size: int, gamma: int, prefill_tokens: int) -> bool:
+        """Whether a step's prefill rows cost more than ``max_prefill_share`` times its decode
+        rows (then it says little about the decode rows: c's error is larger than they are)."""
+        if prefill_tokens <= 0:
+            return False
+        decode_ms = self._decode_ms(batch_size, batch_size * (gamma + 1))
+        return decode_ms is not None and self._dominates(prefill_tokens, decode_ms)
+
+    def _dominates(self, prefill_tokens: int, decode_ms: float) -> bool:
+        return self.prefill_ms_per_token * prefill_tokens > self.settings.max_prefill_share * decode_ms
 
     def seed(self, batch_sizes: list[int], draft_ms: list[list[float]], verify_ms: list[list[float]],
              weight: float = 4.0) -> None:

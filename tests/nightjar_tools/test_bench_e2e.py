@@ -26,7 +26,7 @@ def test_bench_runs_against_a_real_stack(tmp_path):
     # hindsight oracle's stack, which can only pick the γ = 2 that fixed:2 measured, and whose
     # table the bench keeps in force past the workers' 10 s policy TTL.
     rc = main(["--policies", "fixed:G", "--workloads", "poisson:0.5@14", "--capacity-rps", "1.2", "--fixed-gamma", "2",
-               "--drain-timeout-s", "40", "--output-scale", "0.3", "--max-output", "24", "--oracle",
+               "--drain-timeout-s", "40", "--output-scale", "0.3", "--max-output", "24", "--oracle", "--record",
                "--out", str(out), "--plots-dir", str(plots_dir), "--no-progress"])
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
@@ -40,6 +40,9 @@ def test_bench_runs_against_a_real_stack(tmp_path):
     engine = run["engine"]
     assert engine["steps"] > 0 and engine["emitted_tokens"] >= run["output_tokens"]
     assert engine["spec_step_share"] > 0  # the planner's fixed γ = 2 reached the worker
+    recorded = json.loads((out / "steps" / "fixed_2_poisson_0.5.json").read_text())  # --record, replay format
+    assert recorded["fields"][:2] == ["batch_size", "gamma"] and len(recorded["rows"]) >= engine["steps"]
+    assert {row[1] for row in recorded["rows"] if row[0] > 0} == {2}
     samples = data["samples"]["fixed:2|poisson:0.5"]
     assert samples and any(s.get("kv_blocks_total") for s in samples)
     assert "| poisson:0.5 | fixed:2 |" in (out / "report.md").read_text()
