@@ -27,7 +27,7 @@ class StepCostSettings:
     # of long prompts (P ≈ 430 beside n ≈ 21-84), c learned at 0.49 against 0.6-0.65 there pushed
     # 50 ms a step into v(21), and γ = 0 looked 3× its cost (BENCHMARKS.md, the live planner).
     # A closed loop's turnover steps (one short prompt beside a small batch) stay below it.
-    max_prefill_share: float = 2.0
+    max_prefill_ratio: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 2:
@@ -38,8 +38,8 @@ class StepCostSettings:
             raise ValueError(f"half_life_steps must be > 0, got {self.half_life_steps}")
         if not self.draft_prior_ratio > 0:
             raise ValueError(f"draft_prior_ratio must be > 0, got {self.draft_prior_ratio}")
-        if not self.max_prefill_share > 0:
-            raise ValueError(f"max_prefill_share must be > 0, got {self.max_prefill_share}")
+        if not self.max_prefill_ratio > 0:
+            raise ValueError(f"max_prefill_ratio must be > 0, got {self.max_prefill_ratio}")
 
 
 def _isotonic(values: list[float], weights: list[float]) -> list[float]:
@@ -306,7 +306,7 @@ class StepCostModel:
             self._observe_verify(batch_size, n, max(verify_ms - self.prefill_ms_per_token * prefill_tokens, 0.0))
 
     def prefill_dominates(self, batch_size: int, gamma: int, prefill_tokens: int) -> bool:
-        """Whether a step's prefill rows cost more than ``max_prefill_share`` times its decode
+        """Whether a step's prefill rows cost more than ``max_prefill_ratio`` times its decode
         rows (then it says little about the decode rows: c's error is larger than they are)."""
         if prefill_tokens <= 0:
             return False
@@ -314,7 +314,7 @@ class StepCostModel:
         return decode_ms is not None and self._dominates(prefill_tokens, decode_ms)
 
     def _dominates(self, prefill_tokens: int, decode_ms: float) -> bool:
-        return self.prefill_ms_per_token * prefill_tokens > self.settings.max_prefill_share * decode_ms
+        return self.prefill_ms_per_token * prefill_tokens > self.settings.max_prefill_ratio * decode_ms
 
     def seed(self, batch_sizes: list[int], draft_ms: list[list[float]], verify_ms: list[list[float]],
              weight: float = 4.0) -> None:
