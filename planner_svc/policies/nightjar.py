@@ -346,7 +346,7 @@ class NightjarPolicy(GammaPolicy):
         self.updates += 1
         if g > 0 and stats.accepted_per_position:
             self.acceptance.observe(b, g, stats.accepted_per_position)
-        self._observe_cost(stats)
+        decode_measured = self._observe_cost(stats)
         fit = self._prior_fit
         if fit is not None and fit.observe(stats):
             self._prior_fit = None
@@ -375,7 +375,7 @@ class NightjarPolicy(GammaPolicy):
         tl.visit = visit
         tl.plays[g] += 1
         tl.last_played[g] = steps
-        if g == tl.arm and not self.cost.prefill_dominates(b, g, prefill_tokens):
+        if g == tl.arm and decode_measured:
             # the bin's observed loss, prefill rows taken out as the prediction does (a step
             # that is mostly prefill would measure c's error instead)
             prefill_ms = self.cost.prefill_ms_per_token * prefill_tokens
@@ -395,14 +395,18 @@ class NightjarPolicy(GammaPolicy):
         if self.settings.offload:
             self.residency_ctl.observe(stats, self.gain, self.offload_gain, self.cost.catchup_ms_per_token())
 
-    def _observe_cost(self, stats: StepStats) -> None:
+    def _observe_cost(self, stats: StepStats) -> bool:
+        """Teach the cost model one step; False where its prefill dominated it (its decode rows
+        were not measured: ``StepCostModel.observe_mixed``)."""
         b, g = stats.batch_size, stats.gamma
+        measured = True
         if stats.prefill_tokens > 0:  # the target forward also prefilled new prompts
-            self.cost.observe_mixed(b, g, stats.draft_ms, stats.verify_ms, stats.prefill_tokens)
+            measured = self.cost.observe_mixed(b, g, stats.draft_ms, stats.verify_ms, stats.prefill_tokens)
         elif stats.verify_ms > 0:
             self.cost.observe(b, g, stats.draft_ms, stats.verify_ms)
         if stats.catchup_tokens > 0:
             self.cost.observe_catchup(stats.catchup_tokens, stats.catchup_ms)
+        return measured
 
     def _end_bin(self, tl: _Timeline, bucket: int) -> None:
         s = self.settings

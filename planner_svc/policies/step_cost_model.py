@@ -287,12 +287,13 @@ class StepCostModel:
         rest = verify_ms - per_seq.value(batch_size)
         verify.observe(n, rest if rest > 0.0 else 0.0, self.clock)  # ... and v what r does
 
-    def observe_mixed(self, batch_size: int, gamma: int, draft_ms: float, verify_ms: float, prefill_tokens: int) -> None:
+    def observe_mixed(self, batch_size: int, gamma: int, draft_ms: float, verify_ms: float, prefill_tokens: int) -> bool:
         """A step whose target forward also prefilled new prompts (the engine mixes them).
 
         verify_ms ≈ v(n) + c·prefill_tokens. Where v(n) is already known (``_decode_ms``), the
         residual teaches c (a running mean); once c is known, the step also teaches v(n) with
         c·prefill removed, unless the prefill dominates the step (``prefill_dominates``).
+        -> False where it dominates: the step measured c's error more than its decode rows.
         """
         n = batch_size * (gamma + 1)
         self.clock += 1
@@ -302,8 +303,11 @@ class StepCostModel:
             per_token = max((verify_ms - decode_ms) / prefill_tokens, 0.0)
             self.prefill_seen = min(self.prefill_seen + 1.0, self.settings.weight_cap)
             self.prefill_ms_per_token += (per_token - self.prefill_ms_per_token) / self.prefill_seen
-        if self.prefill_seen >= 8 and not (decode_ms is not None and self._dominates(prefill_tokens, decode_ms)):
+        if decode_ms is not None and self._dominates(prefill_tokens, decode_ms):
+            return False
+        if self.prefill_seen >= 8:
             self._observe_verify(batch_size, n, max(verify_ms - self.prefill_ms_per_token * prefill_tokens, 0.0))
+        return True
 
     def prefill_dominates(self, batch_size: int, gamma: int, prefill_tokens: int) -> bool:
         """Whether a step's prefill rows cost more than ``max_prefill_ratio`` times its decode
