@@ -437,7 +437,7 @@ class NightjarPolicy(GammaPolicy):
             # faster or slower minute than the arm in force. Probe it first; switch at the next
             # bin end if it still wins. Not where the arm in force was a leader's: nothing here
             # chose it, and live the probe's detour held a spike at the γ = 1 of the quiet
-            # batch sizes for 60 steps (BENCHMARKS.md, the live planner).
+            # batch sizes for ~50 steps (BENCHMARKS.md, the live planner).
             choice, verify = tl.exploit_arm, choice
         tl.exploit_arm, tl.follows = self._follow_neighbour(tl, bucket, loss, choice)
         # A bucket that follows a busier one plays that bucket's arm, probes included, and does
