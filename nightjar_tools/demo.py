@@ -13,7 +13,8 @@ import time
 from nightjar_tools.serve import add_stack_args, stack_config
 from nightjar_tools.stack import Stack
 
-DEFAULT_PROMPT = "def fibonacci(n):\n    "
+# Not ending in indentation, which the tokenizer would split mid-token (tests/nightjar/test_models.py).
+DEFAULT_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:'
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     add_stack_args(p, port=0)
     p.add_argument("--prompt", default=None, help="prompt text (default: a fixed code prompt)")
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--temperature", type=float, default=0.0)
+    # Sampled: greedy decoding of the 38M-parameter shipped target repeats lines and a sample
+    # reads as code (models/README.md). Seeded, yet each γ schedule draws a different sample.
+    p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     cfg = stack_config(a, p)
     prompt = a.prompt if a.prompt is not None else DEFAULT_PROMPT
@@ -46,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(prompt)
             sys.stdout.flush()
             last = None
-            for resp in stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=a.max_tokens, temperature=a.temperature), timeout=300):
+            for resp in stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=a.max_tokens, temperature=a.temperature,
+                                                         top_p=a.top_p, seed=a.seed), timeout=300):
                 sys.stdout.write(resp.text)
                 sys.stdout.flush()
                 last = resp

@@ -17,6 +17,7 @@ from safetensors import safe_open  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 
 from nightjar.paths import HELDOUT_PROMPTS, SERVE_DRAFT, SERVE_TARGET, TINY_DRAFT, TINY_TARGET  # noqa: E402
+from nightjar_tools.demo import DEFAULT_PROMPT  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import check_acceptance  # noqa: E402
@@ -103,6 +104,17 @@ def test_tokenizer_round_trips_every_prompt_byte_exactly(prompts, tokenizer) -> 
     for p in prompts:
         text = tokenizer.decode(tokenizer.encode(p["text"]), skip_special_tokens=False)
         assert text.encode("utf-8") == p["text"].encode("utf-8"), p["id"]
+
+
+def test_the_demo_prompt_ends_where_running_code_would_split_it(tokenizer) -> None:
+    # The tokenizer merges a newline with the indentation after it and leaves one space on the
+    # next word ("\n   ", " return"), so a prompt ending in its indentation ends on a token the
+    # model never saw there, and its greedy continuation is noise.
+    indented = "def f(n):\n    "
+    assert tokenizer.encode(indented) != tokenizer.encode(indented + "return n")[: len(tokenizer.encode(indented))]
+    assert DEFAULT_PROMPT == DEFAULT_PROMPT.rstrip(" \t")
+    ids = tokenizer.encode(DEFAULT_PROMPT)
+    assert tokenizer.encode(DEFAULT_PROMPT + "\n        return n\n")[: len(ids)] == ids
 
 
 def test_replay_blocks_counts_leading_matches() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -89,6 +90,20 @@ def test_demo_streams_a_completion_and_stops(tmp_path):
     assert out.stdout.startswith("import os\n")
     assert re.search(r"\d+ prompt \+ [1-8] completion tokens, finish (length|stop); TTFT", out.stdout), out.stdout
     assert "nightjar demo: stopped" in out.stderr
+
+
+@pytest.mark.slow
+def test_the_default_demo_on_the_serving_pair_writes_more_than_a_repeated_token():
+    from nightjar_tools.demo import DEFAULT_PROMPT
+
+    env = {**os.environ, "NIGHTJAR_DEFAULT_PAIR": "serve"}
+    out = subprocess.run([sys.executable, "-m", "nightjar_tools.cli", "demo", "--max-tokens", "48"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith(DEFAULT_PROMPT) and "[serve-target (draft serve-draft)" in out.stdout
+    completion = out.stdout[len(DEFAULT_PROMPT):].split("\n\n[serve-target")[0]
+    # The first trained weights printed `"a"-1.0.0.0.0…` here: one word.
+    assert len(set(completion.split())) >= 6, completion
 
 
 def test_serve_gives_every_service_its_own_metrics_port(tmp_path, monkeypatch):
