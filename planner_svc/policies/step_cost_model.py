@@ -292,7 +292,7 @@ class StepCostModel:
 
         verify_ms ≈ v(n) + c·prefill_tokens. Where v(n) is already known (``_decode_ms``), the
         residual teaches c (a running mean); once c is known, the step also teaches v(n) with
-        c·prefill removed, unless the prefill dominates the step (``prefill_dominates``).
+        c·prefill removed, unless the prefill dominates the step (``_dominates``).
         -> False where it dominates: the step measured c's error more than its decode rows.
         """
         n = batch_size * (gamma + 1)
@@ -309,15 +309,9 @@ class StepCostModel:
             self._observe_verify(batch_size, n, max(verify_ms - self.prefill_ms_per_token * prefill_tokens, 0.0))
         return True
 
-    def prefill_dominates(self, batch_size: int, gamma: int, prefill_tokens: int) -> bool:
+    def _dominates(self, prefill_tokens: int, decode_ms: float) -> bool:
         """Whether a step's prefill rows cost more than ``max_prefill_ratio`` times its decode
         rows (then it says little about the decode rows: c's error is larger than they are)."""
-        if prefill_tokens <= 0:
-            return False
-        decode_ms = self._decode_ms(batch_size, batch_size * (gamma + 1))
-        return decode_ms is not None and self._dominates(prefill_tokens, decode_ms)
-
-    def _dominates(self, prefill_tokens: int, decode_ms: float) -> bool:
         return self.prefill_ms_per_token * prefill_tokens > self.settings.max_prefill_ratio * decode_ms
 
     def seed(self, batch_sizes: list[int], draft_ms: list[list[float]], verify_ms: list[list[float]],

@@ -110,8 +110,8 @@ def test_the_demo_prompt_ends_where_running_code_would_split_it(tokenizer) -> No
     # The tokenizer merges a newline with the indentation after it and leaves one space on the
     # next word ("\n   ", " return"), so a prompt ending in its indentation ends on a token the
     # model never saw there, and its greedy continuation is noise.
-    indented = "def f(n):\n    "
-    assert tokenizer.encode(indented) != tokenizer.encode(indented + "return n")[: len(tokenizer.encode(indented))]
+    indented = tokenizer.encode("def f(n):\n    ")
+    assert tokenizer.encode("def f(n):\n    return n")[: len(indented)] != indented
     assert DEFAULT_PROMPT == DEFAULT_PROMPT.rstrip(" \t")
     ids = tokenizer.encode(DEFAULT_PROMPT)
     assert tokenizer.encode(DEFAULT_PROMPT + "\n        return n\n")[: len(ids)] == ids
