@@ -36,7 +36,8 @@ async def test_greedy_through_the_stack_equals_transformers_generate(redis_url):
         await asyncio.to_thread(stack.stop)
 
 
-@pytest.mark.parametrize("name", ["cpu_serve", "cpu_serve_xeon", "cpu_serve_zen4"])  # AMD Zen 3, Intel, AMD Zen 4
+# Every shipped serve-pair surface, one per machine measured (AMD Zen 3, Intel, AMD Zen 4, ...).
+@pytest.mark.parametrize("name", sorted(p.stem for p in SURFACES.glob("cpu_serve*.json")))
 def test_surface_has_the_crossover_it_claims(name):
     # Read from the measured file (not timed here): the claimed crossover is where γ = 0 first
     # wins, or None when it never does; since the paged attention kernel it is batch 8-32
