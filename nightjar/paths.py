@@ -7,6 +7,7 @@ Two pairs ship: ``serve-*``, serving-shaped (a few wide layers that stream their
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -21,11 +22,36 @@ if _pair not in PAIRS:
     raise SystemExit(f"{PAIR_ENV}={_pair!r}: expected one of {', '.join(PAIRS)}")
 DEFAULT_TARGET, DEFAULT_DRAFT = PAIRS[_pair]
 # The shipped pairs' offline cost surfaces (scripts/bench_speculation.py: CPU, float32, one torch
-# thread): the planner's default prior when that pair serves on CPU. Another CPU's steps take
-# longer or shorter, but the shape (the best γ falling with the batch) carries over, and live
-# steps replace the prior's figures cell by cell.
+# thread): the planner's default prior when that pair serves on CPU. A pair has one surface per
+# kind of CPU it was measured on (``cpu_serve.json``, ``cpu_serve_zen4.json``, ...), each naming
+# its CPU in a "cpu" field (``cpu_signature``); the one measured on this kind of CPU is the prior,
+# else the pair's first (``cpu_<pair>.json``). The crossover moves with the CPU (batch 32 on Zen 3,
+# 8 on Zen 4), and live steps replace the prior's figures cell by cell.
 COST_SURFACES = ROOT / "planner_svc" / "cost_surfaces"
-SHIPPED_SURFACES = {SERVE_TARGET: COST_SURFACES / "cpu_serve.json", TINY_TARGET: COST_SURFACES / "cpu_tiny.json"}
+SHIPPED_SURFACES = {SERVE_TARGET: "cpu_serve", TINY_TARGET: "cpu_tiny"}
+
+
+def cpu_signature(cpuinfo: str | None = None) -> str:
+    """This CPU's kind as the cost surfaces record it: the vendor and the widest vector unit,
+    e.g. ``AuthenticAMD avx512`` (``cpuinfo``: /proc/cpuinfo's text; read when not given).
+    The step's shape follows these two (the linear kernel's tiles are built per vector width,
+    BENCHMARKS.md, "CPU linear path"); "" where /proc/cpuinfo is not there."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            if fields:  # the first processor's block is enough
+                break
+            continue
+        fields.setdefault(key.strip(), value.strip())
+    vendor, flags = fields.get("vendor_id", ""), set(fields.get("flags", "").split())
+    isa = next((name for flag, name in (("avx512f", "avx512"), ("avx2", "avx2"), ("avx", "avx")) if flag in flags), "")
+    return f"{vendor} {isa}".strip()
 
 
 def cost_surface(name_or_path: str) -> Path | None:
@@ -38,12 +64,24 @@ def cost_surface(name_or_path: str) -> Path | None:
     return shipped if "/" not in name_or_path and shipped.is_file() else Path(name_or_path)
 
 
-def shipped_surface(target: Path, device: str = "cpu", dtype: str = "float32") -> Path | None:
-    """The cost surface shipped for ``target`` served on ``device`` in ``dtype``, if there is one."""
+def shipped_surface(target: Path, device: str = "cpu", dtype: str = "float32", cpu: str | None = None) -> Path | None:
+    """The cost surface shipped for ``target`` served on ``device`` in ``dtype``, if there is one:
+    the one measured on this kind of CPU (``cpu``: a ``cpu_signature``, this machine's if not given),
+    else the pair's first."""
     if device != "cpu" or dtype != "float32":
         return None
     resolved = Path(target).resolve()
-    return next((s for t, s in SHIPPED_SURFACES.items() if t.resolve() == resolved), None)
+    name = next((n for t, n in SHIPPED_SURFACES.items() if t.resolve() == resolved), None)
+    if name is None:
+        return None
+    cpu = cpu_signature() if cpu is None else cpu
+    for path in sorted(COST_SURFACES.glob(f"{name}_*.json")):
+        try:
+            if cpu and json.loads(path.read_text()).get("cpu") == cpu:
+                return path
+        except (OSError, ValueError):
+            continue  # a broken extra surface must not stop the default one
+    return COST_SURFACES / f"{name}.json"
 
 
 HELDOUT_PROMPTS = MODELS_DIR / "prompts.jsonl"  # one {"id": str, "text": str} per line

@@ -106,13 +106,13 @@ def resolve_models(a: argparse.Namespace, p: argparse.ArgumentParser) -> tuple[P
 def add_prior_surface_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prior-surface", default="auto",
                    help="warm-start nightjar from this offline cost surface (scripts/bench_speculation.py's JSON); "
-                        "or a shipped one by name (cpu_serve, cpu_tiny); auto (default): the surface shipped for the "
-                        "model on this kind of device, if one is (the shipped pairs on CPU in float32); none: learn "
-                        "online from nothing")
+                        "or a shipped one by name (cpu_serve, cpu_serve_zen4, cpu_tiny, ...); auto (default): the surface "
+                        "shipped for the model on this kind of CPU, if one is (the shipped pairs on CPU in float32); "
+                        "none: learn online from nothing")
 
 
 def prior_surface(choice: str, target: Path, device: str = "cpu", dtype: str = "float32") -> Path | None:
-    """--prior-surface: auto (the surface shipped for ``target`` on this device, if any), or what
+    """--prior-surface: auto (the surface shipped for ``target`` on this device and CPU, if any), or what
     the planner's own flag takes (``paths.cost_surface``: none, a shipped surface's name, a file)."""
     if choice == "auto":
         return paths.shipped_surface(target, device, dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -36,6 +37,46 @@ def test_serve_flags_build_a_validated_config(tmp_path):
     if not torch.cuda.is_available():  # said before any service starts, not from a worker's log
         with pytest.raises(SystemExit):
             stack_config(p.parse_args(["--device", "cuda"]), p)
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: {vendor}
+flags\t\t: fpu sse2 {flags}
+
+processor\t: 1
+vendor_id\t: SomeoneElse
+flags\t\t: fpu
+"""
+
+
+@pytest.mark.parametrize("vendor, flags, want", [
+    ("AuthenticAMD", "avx avx2 avx512f avx512_bf16", "AuthenticAMD avx512"),
+    ("AuthenticAMD", "avx avx2 fma", "AuthenticAMD avx2"),
+    ("GenuineIntel", "avx avx2 avx512f avx512vl", "GenuineIntel avx512"),
+    ("GenuineIntel", "sse4_2", "GenuineIntel"),
+])
+def test_cpu_signature_is_the_first_cpus_vendor_and_widest_vector_unit(vendor, flags, want):
+    from nightjar import paths
+
+    assert paths.cpu_signature(CPUINFO.format(vendor=vendor, flags=flags)) == want
+    assert paths.cpu_signature("") == ""
+
+
+def test_the_default_prior_is_the_surface_measured_on_this_kind_of_cpu():
+    """Each serve-pair surface names the CPU it was measured on; auto picks the one that matches,
+    and the pair's first surface where none does."""
+    from nightjar import paths
+
+    surfaces = sorted(paths.COST_SURFACES.glob("cpu_serve*.json"))
+    by_cpu = {json.loads(p.read_text())["cpu"]: p for p in surfaces}
+    assert len(by_cpu) == len(surfaces) >= 3, "two surfaces claim the same CPU"
+    for cpu, path in by_cpu.items():
+        assert paths.shipped_surface(paths.SERVE_TARGET, cpu=cpu) == path
+    first = paths.COST_SURFACES / "cpu_serve.json"
+    assert paths.shipped_surface(paths.SERVE_TARGET, cpu="SomeoneElse neon") == first
+    assert paths.shipped_surface(paths.SERVE_TARGET, cpu="") == first
+    assert paths.shipped_surface(paths.TINY_TARGET, cpu="AuthenticAMD avx512") == paths.COST_SURFACES / "cpu_tiny.json"
+    assert paths.shipped_surface(paths.SERVE_TARGET) in surfaces  # this machine, whatever it is
 
 
 def test_the_planner_starts_from_the_surface_shipped_for_the_model_on_cpu(tmp_path):
