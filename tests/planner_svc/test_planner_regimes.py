@@ -88,6 +88,21 @@ def test_the_measured_serve_surface_speculates_at_one_client_and_not_at_64(clien
     assert switches_per_1000 <= 10, switches_per_1000
 
 
+@pytest.mark.parametrize("clients", [1, 4, 16, 48])
+@pytest.mark.parametrize("name", sorted(p.name for p in SURFACES.glob("cpu_serve*.json")))
+def test_steady_closed_loops_on_every_shipped_serve_surface(name, clients):
+    # Each machine the serve pair was measured on puts the crossover elsewhere (batch 32 on Zen 3,
+    # 8 on Zen 4), and `--prior-surface auto` warm-starts from that machine's surface, so the
+    # [planner-live] goal is held on each: >= 0.97x the best static γ at the median of 3 seeds.
+    # On Zen 4 at one client γ = 4 leads γ = 3 by 5% and seed 1 settles on γ = 3 (0.947x), hence
+    # the floor of 0.94 for a single seed (BENCHMARKS.md, the live planner on the Zen 4 machine).
+    surface = load_table(SURFACES / name, max_batch=256)
+    runs = [run(surface, clients, seed=seed) for seed in (0, 1, 2)]
+    ratios = sorted(r[0] for r in runs)
+    assert ratios[1] >= 0.97 and ratios[0] >= 0.94, ratios
+    assert max(r[1] for r in runs) <= 10, [r[1] for r in runs]
+
+
 @pytest.mark.parametrize("seed", [0, 3])
 def test_a_drifting_machine_does_not_lock_48_clients_onto_speculation(seed):
     # The live VM's speed moves by ±20% from minute to minute, so an arm measured in a slow spell
