@@ -55,11 +55,17 @@ def cpu_signature(cpuinfo: str | None = None) -> str:
 
 
 def cost_surface(name_or_path: str) -> Path | None:
-    """``--prior-surface``'s value as a file: ``none`` (no prior), the name of a shipped surface
-    (``cpu_serve``: planner_svc/cost_surfaces/cpu_serve.json, in a checkout or an installed
-    image), or a path."""
+    """``--prior-surface``'s value as a file: ``none`` (no prior), ``auto:PAIR`` (the surface
+    shipped for that pair on this kind of CPU: ``shipped_surface``; for a planner, which does not
+    know the models), the name of a shipped surface (``cpu_serve``: planner_svc/cost_surfaces/
+    cpu_serve.json, in a checkout or an installed image), or a path."""
     if name_or_path.lower() == "none":
         return None
+    if name_or_path.startswith("auto:"):
+        pair = name_or_path.removeprefix("auto:")
+        if pair not in PAIRS:
+            raise ValueError(f"--prior-surface {name_or_path}: expected auto:PAIR with PAIR one of {', '.join(PAIRS)}")
+        return shipped_surface(PAIRS[pair][0])
     shipped = COST_SURFACES / f"{name_or_path}.json"
     return shipped if "/" not in name_or_path and shipped.is_file() else Path(name_or_path)
 

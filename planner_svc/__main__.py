@@ -23,8 +23,9 @@ def parse_config(argv: list[str]) -> PlannerConfig:
     p.add_argument("--consumer", default=None, help="consumer name in the stats group (default: unique per process)")
     p.add_argument("--prior-surface", default="none",
                    help="warm-start nightjar from an offline cost surface of the served models: a JSON file of "
-                        "scripts/bench_speculation.py, or a shipped one by name (cpu_serve, cpu_tiny: the shipped "
-                        "pairs on CPU in float32); another machine's is rescaled by the first live steps. "
+                        "scripts/bench_speculation.py, or a shipped one by name (cpu_serve, cpu_serve_zen4, cpu_tiny, ...: "
+                        "the shipped pairs on CPU in float32), or auto:serve / auto:tiny (that pair's surface "
+                        "measured on this kind of CPU); another machine's is rescaled by the first live steps. "
                         "none (default): learn online from nothing")
     add_common_args(p, env)
     a = p.parse_args(argv)

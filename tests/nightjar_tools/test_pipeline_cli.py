@@ -77,6 +77,11 @@ def test_the_default_prior_is_the_surface_measured_on_this_kind_of_cpu():
     assert paths.shipped_surface(paths.SERVE_TARGET, cpu="") == first
     assert paths.shipped_surface(paths.TINY_TARGET, cpu="AuthenticAMD avx512") == paths.COST_SURFACES / "cpu_tiny.json"
     assert paths.shipped_surface(paths.SERVE_TARGET) in surfaces  # this machine, whatever it is
+    # a planner does not know the models; it is told the pair
+    assert paths.cost_surface("auto:serve") == paths.shipped_surface(paths.SERVE_TARGET)
+    assert paths.cost_surface("auto:tiny") == paths.COST_SURFACES / "cpu_tiny.json"
+    with pytest.raises(ValueError, match="auto:PAIR"):
+        paths.cost_surface("auto:huge")
 
 
 def test_the_planner_starts_from_the_surface_shipped_for_the_model_on_cpu(tmp_path):
