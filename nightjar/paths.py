@@ -28,7 +28,6 @@ DEFAULT_TARGET, DEFAULT_DRAFT = PAIRS[_pair]
 # else the pair's first (``cpu_<pair>.json``). The crossover moves with the CPU (batch 32 on Zen 3,
 # 8 on Zen 4), and live steps replace the prior's figures cell by cell.
 COST_SURFACES = ROOT / "planner_svc" / "cost_surfaces"
-SHIPPED_SURFACES = {SERVE_TARGET: "cpu_serve", TINY_TARGET: "cpu_tiny"}
 
 
 def cpu_signature(cpuinfo: str | None = None) -> str:
@@ -65,29 +64,32 @@ def cost_surface(name_or_path: str) -> Path | None:
         pair = name_or_path.removeprefix("auto:")
         if pair not in PAIRS:
             raise ValueError(f"--prior-surface {name_or_path}: expected auto:PAIR with PAIR one of {', '.join(PAIRS)}")
-        return shipped_surface(PAIRS[pair][0])
+        return pair_surface(pair)
     shipped = COST_SURFACES / f"{name_or_path}.json"
     return shipped if "/" not in name_or_path and shipped.is_file() else Path(name_or_path)
 
 
-def shipped_surface(target: Path, device: str = "cpu", dtype: str = "float32", cpu: str | None = None) -> Path | None:
-    """The cost surface shipped for ``target`` served on ``device`` in ``dtype``, if there is one:
-    the one measured on this kind of CPU (``cpu``: a ``cpu_signature``, this machine's if not given),
-    else the pair's first."""
-    if device != "cpu" or dtype != "float32":
-        return None
-    resolved = Path(target).resolve()
-    name = next((n for t, n in SHIPPED_SURFACES.items() if t.resolve() == resolved), None)
-    if name is None:
-        return None
+def pair_surface(pair: str, cpu: str | None = None) -> Path:
+    """The surface shipped for the pair ``pair`` (a key of PAIRS): the one measured on this kind of
+    CPU (``cpu``: a ``cpu_signature``, this machine's if not given), else the pair's first."""
     cpu = cpu_signature() if cpu is None else cpu
-    for path in sorted(COST_SURFACES.glob(f"{name}_*.json")):
+    for path in sorted(COST_SURFACES.glob(f"cpu_{pair}_*.json")):
         try:
             if cpu and json.loads(path.read_text()).get("cpu") == cpu:
                 return path
         except (OSError, ValueError):
             continue  # a broken extra surface must not stop the default one
-    return COST_SURFACES / f"{name}.json"
+    return COST_SURFACES / f"cpu_{pair}.json"
+
+
+def shipped_surface(target: Path, device: str = "cpu", dtype: str = "float32", cpu: str | None = None) -> Path | None:
+    """The cost surface shipped for ``target`` served on ``device`` in ``dtype``, if there is one
+    (``pair_surface`` of the shipped pair whose target it is)."""
+    if device != "cpu" or dtype != "float32":
+        return None
+    resolved = Path(target).resolve()
+    pair = next((name for name, (t, _) in PAIRS.items() if t.resolve() == resolved), None)
+    return None if pair is None else pair_surface(pair, cpu)
 
 
 HELDOUT_PROMPTS = MODELS_DIR / "prompts.jsonl"  # one {"id": str, "text": str} per line
