@@ -19,18 +19,21 @@ from nightjar import paths
 from nightjar_tools.serve import add_prior_surface_arg, prior_surface
 from nightjar_tools.stack import sigterm_stops_stacks
 
-# The static table (each entry: γ up to that batch size) is the offline sweep's best γ ≤ 4 (the
-# planner's γmax) per batch size (BENCHMARKS.md, Speculation: scripts/bench_speculation.py on
-# this pair), i.e. vLLM's table tuned as well as a profiling run can: the strongest static
-# baseline, not a guess.
-FULL_POLICIES = ("off", "fixed:G", "threshold:4:G", "table:4=4,8=3,16=4,64=1", "ucb", "nightjar", "nightjar-nooffload")
+# The static peers read the best γ per batch size off the prior surface (S; compare.resolve_policy):
+# vLLM's table tuned as its docs tune it, from an offline profile of this pair on this kind of
+# machine, and vLLM V0's threshold at that profile's crossover. The strongest static baselines,
+# not guesses.
+FULL_POLICIES = ("off", "fixed:G", "threshold:S:G", "table:S", "ucb", "nightjar", "nightjar-nooffload")
 FULL_WORKLOADS = ("burst@30", "azure_conv@25", "poisson:0.3@10", "poisson:1.5@15")
 # --headline: every peer's γ policy on every workload the goals name, runs long enough to beat the
 # machine's drift (>= 2 min per dynamic trace), three interleaved repeats.
-HEADLINE_POLICIES = ("off", "fixed:G", "threshold:4:G", "table:4=4,8=3,16=4,64=1", "ucb", "heuristic", "ema", "nightjar",
+HEADLINE_POLICIES = ("off", "fixed:G", "threshold:S:G", "table:S", "ucb", "heuristic", "ema", "nightjar",
                      "nightjar-nooffload")
 HEADLINE_WORKLOADS = ("burst@120", "oscillation@120", "ramp@120", "azure_conv@120", "azure_code@120", "poisson:0.3@60",
                       "poisson:1.5@60")
+# [headline]'s memory: an 8B target (16 GB) and a 1B draft (2.5 GB) on a 24 GB card leave ~5.5 GB
+# of KV, so the draft's weights are ~45% of the KV pool, and offloading it grows the pool ~1.45x.
+HEADLINE_DRAFT_SHARE = 0.45
 QUICK_POLICIES = ("fixed:G", "nightjar")
 QUICK_WORKLOADS = ("burst@20",)
 # Timelines copied into --plots-dir (every run's timeline stays in the output folder).
@@ -56,12 +59,14 @@ def parser() -> argparse.ArgumentParser:
     mode.add_argument("--quick", action="store_true", help="smoke run: fixed-γ vs nightjar on a 20 s burst (a few minutes)")
     mode.add_argument("--headline", action="store_true",
                       help="the whole headline matrix: every peer policy (incl. ema, heuristic) on burst, oscillation, "
-                           "ramp, the Azure replays and steady low/overload, 3 repeats (hours; progress and ETA on stderr)")
+                           "ramp, the Azure replays and steady low/overload, 3 repeats, --draft-share 0.45 (hours; progress and "
+                           "ETA on stderr)")
     p.add_argument("--target", default=None, help="HOST:PORT of a running stack (no restarts, no comparison)")
     p.add_argument("--redis-url", default=None, help="with --target: the stack's Redis (redis:// or redis+cluster://), for the engine-side metrics")
     p.add_argument("--key-prefix", default="nj")
     p.add_argument("--policies", nargs="+", default=None,
-                   help="policy specs; G stands for the calibrated best γ at batch 1 (default: the full set)")
+                   help="policy specs; G stands for the calibrated best γ at batch 1, S for the prior surface's best γ "
+                        "per batch size (table:S, threshold:S:G) (default: the full set)")
     p.add_argument("--workloads", nargs="+", type=_workload, default=None,
                    help="SPEC@SECONDS: poisson:ρ, rates:ρ1,ρ2,..., burst, ramp, oscillation, azure_conv, azure_code, "
                         "closed:C (C clients in a closed loop, 64-token requests; tokens/s over SECONDS after a 10 s warm-up, "
@@ -70,9 +75,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-scale", type=float, default=0.25, help="× the trace's prompt lengths")
     p.add_argument("--output-scale", type=float, default=0.25, help="× the trace's output lengths")
     p.add_argument("--max-output", type=int, default=64, help="cap on a request's output tokens after scaling")
-    p.add_argument("--draft-share", type=float, default=0.6,
-                   help="size the worker's KV budget so the draft's weights are this share of it (the memory work's "
-                        "overload scenario); 0 = the engine's default budget")
+    p.add_argument("--draft-share", type=float, default=None,
+                   help="size the worker's KV budget so the draft's weights are this share of it (default 0.6, the "
+                        "memory work's overload scenario; with --headline 0.45, an 8B/1B pair's on a 24 GB card); "
+                        "0 = the engine's default budget")
     p.add_argument("--kv-budget-bytes", type=int, default=None, help="worker KV budget in bytes (overrides --draft-share)")
     p.add_argument("--target-model", type=Path, default=paths.DEFAULT_TARGET, help="the workers' target model folder")
     p.add_argument("--draft-model", type=Path, default=paths.DEFAULT_DRAFT,
@@ -145,11 +151,12 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
         capacity = capacity or cal["capacity_rps"]
         fixed_gamma = fixed_gamma if a.fixed_gamma is not None else cal["fixed_gamma"]
     kv_budget = a.kv_budget_bytes
-    if kv_budget is None and a.draft_share:
+    draft_share = a.draft_share if a.draft_share is not None else HEADLINE_DRAFT_SHARE if a.headline else 0.6
+    if kv_budget is None and draft_share:
         from nightjar_tools.bench.compare import kv_budget_for_share
 
         try:
-            kv_budget = kv_budget_for_share(a.draft_share, a.draft_model or paths.DEFAULT_DRAFT)
+            kv_budget = kv_budget_for_share(draft_share, a.draft_model or paths.DEFAULT_DRAFT)
         except ValueError as exc:
             p.error(str(exc))
     worker = argparse.ArgumentParser(add_help=False)

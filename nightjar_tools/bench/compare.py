@@ -28,6 +28,7 @@ from nightjar.messages import Policy, PolicyHold, StepStats
 from nightjar.service_util import connect_redis, write_and_publish
 from nightjar_tools.stack import Stack, StackConfig
 from planner_svc.config import PlannerConfig
+from planner_svc.simulator.oracle import surface_gammas, table_of
 from planner_svc.simulator.trace import synthetic_lengths
 
 PLANNER_GAMMA_MAX = PlannerConfig.gamma_max  # the planner's default --gamma-max: a fixed:G above it would be refused
@@ -99,6 +100,13 @@ class CompareConfig:
             raise ValueError(f"gamma_probe_requests must be >= 1, got {self.gamma_probe_requests}")
         if self.capacity_rps is not None and not self.capacity_rps > 0:
             raise ValueError(f"--capacity-rps must be > 0, got {self.capacity_rps}")
+        odd = [p for p in self.policies if _reads_surface(p) and p != "table:S" and p.split(":")[0] != "threshold"]
+        if odd:
+            raise ValueError(f"policy {odd[0]!r}: only table:S and threshold:S[:G] take S")
+        if self.prior_surface is None and any(_reads_surface(p) for p in self.policies):
+            raise ValueError("table:S and threshold:S read the best γ per batch size off the prior surface, and there is "
+                             "none for this target and device: pass --prior-surface FILE, or write the table out "
+                             "(table:1=4,2=2,...; threshold:B:G)")
 
     def stack_config(self, policy: str, log_dir: Path, planner: bool = True) -> StackConfig:
         args = list(self.worker_args)
@@ -162,8 +170,24 @@ def kv_budget_for_share(share: float, model_dir: Path = paths.DEFAULT_DRAFT) -> 
     return int(draft_weight_bytes(model_dir) / share)
 
 
-def resolve_policy(spec: str, fixed_gamma: int) -> str:
-    """Policy specs may say ``G`` for the calibrated best γ at batch 1 (``fixed:G``, ``threshold:4:G``)."""
+def _reads_surface(spec: str) -> bool:
+    return spec.partition(":")[2].split(":")[0] == "S"
+
+
+def resolve_policy(spec: str, fixed_gamma: int, surface: list[int] | None = None) -> str:
+    """Policy specs may say ``G`` for the calibrated best γ at batch 1 (``fixed:G``, ``threshold:4:G``)
+    and ``S`` for what the prior surface says (``surface``: its best γ at batch 1, 2, ...;
+    oracle.surface_gammas): ``table:S`` is that table, vLLM's per-batch-size table tuned offline;
+    ``threshold:S:G`` speculates up to the batch size before its first γ = 0."""
+    if _reads_surface(spec):
+        name, _, arg = spec.partition(":")
+        if not surface:
+            raise ValueError(f"policy {spec!r}: S reads the prior surface, and there is none")
+        if name == "threshold":
+            last = surface.index(0) if 0 in surface else len(surface)  # batch sizes 1..last speculate
+            spec = f"threshold:{last}{arg[1:]}" if last else "off"
+        else:  # table:S (CompareConfig refuses any other)
+            spec = "table:" + ",".join(f"{b}={g}" for b, g in table_of(surface).items())
     return spec.replace(":G", f":{fixed_gamma}")
 
 
@@ -500,10 +524,15 @@ async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
     workloads = [build(w.spec, cap, w.duration_s, seed=cfg.seed, scale=cfg.scale) for w in cfg.workloads]
     prompts = [bank.texts(wl, cfg.seed) for wl in workloads]
     gamma = cal["fixed_gamma"]
+    surface = None
+    if any(_reads_surface(p) for p in cfg.policies):
+        surface = surface_gammas(cfg.prior_surface, PLANNER_GAMMA_MAX)
+        cal["surface_table"] = {str(b): g for b, g in table_of(surface).items()}
+        log(f"table:S, threshold:S from {cfg.prior_surface.name}: best γ {cal['surface_table']} (batch size upper bound: γ)")
     total, t_start = cfg.repeats * len(cfg.policies), time.monotonic()
     for rep in range(cfg.repeats):
         for i, spec in enumerate(policy_order(cfg.policies, rep)):
-            policy = resolve_policy(spec, gamma)
+            policy = resolve_policy(spec, gamma, surface)
             await _one_policy(cmp, cfg, policy, rep, bank, workloads, prompts, log)
             done = rep * len(cfg.policies) + i + 1
             eta_s = (time.monotonic() - t_start) / done * (total - done) * (1 + cfg.oracle / len(cfg.policies))

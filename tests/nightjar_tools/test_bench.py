@@ -344,6 +344,42 @@ def test_policy_and_workload_specs_resolve():
         parser().parse_args(["--workloads", "burst@soon"])
 
 
+def test_static_peers_read_their_table_off_the_prior_surface(tmp_path):
+    from nightjar_tools.bench.compare import CompareConfig, WorkloadPlan, resolve_policy
+
+    surface = [4, 2, 1, 1, 1, 0, 0]  # best γ at batch 1, 2, ...
+    assert resolve_policy("table:S", 3, surface) == "table:1=4,2=2,5=1,6=0"
+    assert resolve_policy("threshold:S:G", 3, surface) == "threshold:5:3"
+    assert resolve_policy("threshold:S", 3, [2, 2]) == "threshold:2"  # no crossover: speculate to the last size
+    assert resolve_policy("threshold:S:G", 3, [0, 0]) == "off"
+    with pytest.raises(ValueError, match="prior surface"):
+        resolve_policy("table:S", 3, None)
+    plans = (WorkloadPlan("burst", 1.0),)
+    with pytest.raises(ValueError, match="--prior-surface"):
+        CompareConfig(policies=("table:S",), workloads=plans, out_dir=tmp_path, prior_surface=None)
+    with pytest.raises(ValueError, match="only table:S"):
+        CompareConfig(policies=("fixed:S",), workloads=plans, out_dir=tmp_path, prior_surface=tmp_path)
+
+
+def test_headline_defaults_to_the_issues_memory_and_surface_tuned_peers(monkeypatch, tmp_path):
+    from nightjar_tools.bench import cli, compare
+
+    seen = {}
+
+    def stop(cfg, log):
+        seen["cfg"] = cfg
+        raise RuntimeError("stop before starting a stack")
+
+    monkeypatch.setattr(compare, "run_comparison", stop)
+    assert cli.main(["--headline", "--out", str(tmp_path), "--no-progress"]) == 1
+    cfg = seen["cfg"]
+    assert cfg.kv_budget_bytes == compare.kv_budget_for_share(cli.HEADLINE_DRAFT_SHARE)
+    assert {"table:S", "threshold:S:G", "ema", "heuristic", "nightjar-nooffload"} <= set(cfg.policies)
+    assert cfg.prior_surface is not None and cfg.repeats == 3 and cfg.oracle
+    assert cli.main(["--out", str(tmp_path), "--no-progress"]) == 1
+    assert seen["cfg"].kv_budget_bytes == compare.kv_budget_for_share(0.6)
+
+
 def test_kv_budget_makes_the_draft_the_asked_share():
     from nightjar_tools.bench.compare import draft_weight_bytes, kv_budget_for_share
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from nightjar.messages import Residency
-from nightjar.paths import TRACES_DIR
+from nightjar.paths import COST_SURFACES, TRACES_DIR
 from planner_svc.policies import make_policy
 from planner_svc.simulator import AcceptanceProcess, SimConfig, load_table, oracle_policy, roofline, simulate, trace_for
 from planner_svc.simulator.trace import Trace, synthetic_lengths
@@ -216,3 +216,18 @@ def test_adapts_when_acceptance_collapses():
     best = simulate(closed_loop(80, 3), oracle, SURFACE, poor).throughput_tps
     assert high_gamma >= 2 and policy.gamma_for(4) < high_gamma
     assert measured >= 0.95 * best, f"{measured:.0f} vs oracle {best:.0f}"
+
+
+def test_a_surface_files_best_gammas_make_a_static_table():
+    from planner_svc.simulator.oracle import surface_gammas, table_of
+
+    assert table_of([4, 2, 1, 1, 1, 0, 0]) == {1: 4, 2: 2, 5: 1, 6: 0}
+    assert table_of([3, 3, 3]) == {1: 3} and table_of([0]) == {1: 0}
+    assert table_of([2, 0, 0, 1]) == {1: 2, 3: 0, 4: 1}  # not monotone: every run keeps its entry
+    # Read off the Zen 4 surface (its grid is 1, 2, 4, 8, ...; between them the steps interpolate):
+    # speculation at batch 1, none by the file's own crossover, γ never deeper at a larger batch.
+    path = COST_SURFACES / "cpu_serve_zen4.json"
+    gammas = surface_gammas(path, gamma_max=4, max_batch=64)
+    assert len(gammas) == 64 and gammas[0] >= 3
+    crossover = json.loads(path.read_text())["crossover_batch_size"]
+    assert gammas[crossover - 1] == 0 and all(a >= b for a, b in zip(gammas, gammas[1:]))
