@@ -34,6 +34,7 @@ HEADLINE_WORKLOADS = ("burst@120", "oscillation@120", "ramp@120", "azure_conv@12
 # [headline]'s memory: an 8B target (16 GB) and a 1B draft (2.5 GB) on a 24 GB card leave ~5.5 GB
 # of KV, so the draft's weights are ~45% of the KV pool, and offloading it grows the pool ~1.45x.
 HEADLINE_DRAFT_SHARE = 0.45
+DEFAULT_DRAFT_SHARE = 0.6  # the memory work's overload scenario
 QUICK_POLICIES = ("fixed:G", "nightjar")
 QUICK_WORKLOADS = ("burst@20",)
 # Timelines copied into --plots-dir (every run's timeline stays in the output folder).
@@ -76,9 +77,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output-scale", type=float, default=0.25, help="× the trace's output lengths")
     p.add_argument("--max-output", type=int, default=64, help="cap on a request's output tokens after scaling")
     p.add_argument("--draft-share", type=float, default=None,
-                   help="size the worker's KV budget so the draft's weights are this share of it (default 0.6, the "
-                        "memory work's overload scenario; with --headline 0.45, an 8B/1B pair's on a 24 GB card); "
-                        "0 = the engine's default budget")
+                   help=f"size the worker's KV budget so the draft's weights are this share of it (default "
+                        f"{DEFAULT_DRAFT_SHARE}, the memory work's overload scenario; with --headline {HEADLINE_DRAFT_SHARE}, "
+                        "an 8B/1B pair's on a 24 GB card); 0 = the engine's default budget")
     p.add_argument("--kv-budget-bytes", type=int, default=None, help="worker KV budget in bytes (overrides --draft-share)")
     p.add_argument("--target-model", type=Path, default=paths.DEFAULT_TARGET, help="the workers' target model folder")
     p.add_argument("--draft-model", type=Path, default=paths.DEFAULT_DRAFT,
@@ -151,7 +152,7 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
         capacity = capacity or cal["capacity_rps"]
         fixed_gamma = fixed_gamma if a.fixed_gamma is not None else cal["fixed_gamma"]
     kv_budget = a.kv_budget_bytes
-    draft_share = a.draft_share if a.draft_share is not None else HEADLINE_DRAFT_SHARE if a.headline else 0.6
+    draft_share = a.draft_share if a.draft_share is not None else HEADLINE_DRAFT_SHARE if a.headline else DEFAULT_DRAFT_SHARE
     if kv_budget is None and draft_share:
         from nightjar_tools.bench.compare import kv_budget_for_share
 
