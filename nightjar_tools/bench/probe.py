@@ -97,7 +97,8 @@ def _majority(values: list[str]) -> str:
 
 
 RECORDING_FIELDS = ("batch_size", "gamma", "draft_ms", "verify_ms", "accepted_per_position", "emitted_tokens",
-                    "prefill_tokens", "catchup_tokens", "catchup_ms", "kv_blocks_used", "kv_blocks_free", "waiting")
+                    "prefill_tokens", "catchup_tokens", "catchup_ms", "kv_blocks_used", "kv_blocks_free", "waiting",
+                    "step_ms", "preempted")
 
 
 def recording(steps: list[StepStats], source: str) -> dict:

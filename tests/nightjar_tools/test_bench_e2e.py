@@ -43,6 +43,8 @@ def test_bench_runs_against_a_real_stack(tmp_path):
     recorded = json.loads((out / "steps" / "fixed_2_poisson_0.5.json").read_text())  # --record, replay format
     assert recorded["fields"][:2] == ["batch_size", "gamma"] and len(recorded["rows"]) >= engine["steps"]
     assert {row[1] for row in recorded["rows"] if row[0] > 0} == {2}
+    rows = [dict(zip(recorded["fields"], row)) for row in recorded["rows"]]
+    assert all(r["step_ms"] >= r["verify_ms"] > 0 for r in rows if r["batch_size"] > 0)  # the step's own wall time
     samples = data["samples"]["fixed:2|poisson:0.5"]
     assert samples and any(s.get("kv_blocks_total") for s in samples)
     assert "| poisson:0.5 | fixed:2 |" in (out / "report.md").read_text()

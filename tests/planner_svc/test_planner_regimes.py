@@ -337,7 +337,8 @@ def replay_rows(recording: str, prior: str | None = None) -> list[tuple[dict, in
     for i, values in enumerate(data["rows"]):
         row = dict(zip(data["fields"], values))
         row["accepted_per_position"] = tuple(row["accepted_per_position"])
-        policy.update(StepStats(worker_id="w0", step=i, unix_ms=0, step_ms=0.0, draft_residency="resident", **row))
+        # (recordings made before step_ms was recorded lack it)
+        policy.update(StepStats(**{"worker_id": "w0", "step": i, "unix_ms": 0, "step_ms": 0.0, "draft_residency": "resident", **row}))
         played.append((row, policy.gamma_for(row["batch_size"])))
     return played
 
