@@ -9,6 +9,7 @@ import time
 
 import grpc
 import grpc.aio
+import msgspec
 import numpy as np
 import pytest
 
@@ -19,7 +20,7 @@ from nightjar.v1 import inference_pb2 as pb
 from nightjar.v1 import inference_pb2_grpc as pb_grpc
 from nightjar_tools.bench import plots, report
 from nightjar_tools.bench.loadgen import LoadConfig, LoadResult, RequestRecord, run_load
-from nightjar_tools.bench.probe import StackProbe, summarize_steps
+from nightjar_tools.bench.probe import StackProbe, recording, summarize_steps
 from nightjar_tools.bench.workload import CONTEXT_TOKENS, LengthScale, PromptBank, Workload, build
 
 # --------------------------------------------------------------------------- workloads
@@ -190,6 +191,18 @@ def test_summarize_steps_counts_switches_offloads_and_acceptance():
     assert s["acceptance"] == pytest.approx((6 + 8 + 2 + 3) / (8 + 8 + 4 + 12))
     assert s["spec_step_share"] == pytest.approx(4 / 7)  # of the decode steps
     assert summarize_steps([])["acceptance"] is None
+
+
+def test_a_recording_gives_back_every_recorded_field_of_its_steps():
+    steps = [_step(0, 2, accepted=(4, 2)), _step(1, 0, residency="offloaded"), _step(2, 0, batch=0, emitted=0)]
+    steps[1] = msgspec.structs.replace(steps[1], preempted=3, step_ms=7.5)
+    rec = json.loads(json.dumps(recording(steps, "test")))  # as saved to OUT/steps/
+    assert {"step_ms", "preempted"} <= set(rec["fields"]) and rec["draft_residency"][1] == "offloaded"
+    for step, values in zip(steps, rec["rows"], strict=True):
+        row = dict(zip(rec["fields"], values))
+        row["accepted_per_position"] = tuple(row["accepted_per_position"])
+        back = StepStats(worker_id=step.worker_id, step=step.step, unix_ms=step.unix_ms, draft_residency=step.draft_residency, **row)
+        assert back == step
 
 
 # --------------------------------------------------------------------------- plots
