@@ -198,6 +198,7 @@ class StepStats(Message):
     kv_blocks_free: int = 0
     waiting: int = 0
     preempted: int = 0
+    preempted_tokens: int = 0  # target KV those preemptions freed, to be prefilled again (recompute)
     draft_residency: str = "none"
     acceptance_alarm: bool = False  # acceptance collapsed while it had been healthy
     memory_bytes: dict[str, int] = msgspec.field(default_factory=dict)  # device budget by part (worker/engine/budget.py)

@@ -45,6 +45,8 @@ REQUESTS_WAITING = Gauge("nightjar_num_requests_waiting",
                          "Sequences the worker's engine holds but has not yet scheduled (vLLM's meaning).", _M)
 KV_CACHE_USAGE = Gauge("nightjar_kv_cache_usage_perc", "Target KV-cache usage, 0 to 1 (1 = full).", _M)
 PREEMPTIONS = Counter("nightjar_num_preemptions", "Sequences preempted (recomputed) for lack of KV blocks.", _M)
+PREEMPTED_TOKENS = Counter("nightjar_num_preempted_tokens",
+                           "Target KV tokens freed by preemption, each prefilled again when its sequence returns.", _M)
 
 # --------------------------------------------------------------------------- requests (gateway)
 # Not vLLM's num_requests_waiting: admitted by the gateway (the --max-queued cap counts these)
@@ -96,9 +98,10 @@ POLICY_VERSION = Gauge("nightjar_policy_version", "Version of the latest policy 
 ROLES: dict[str, tuple] = {
     "gateway": (GATEWAY_QUEUED, DISPATCHES, REQUEST_SUCCESS, PROMPT_TOKENS, GENERATION_TOKENS, TTFT, INTER_TOKEN,
                 E2E, QUEUE_TIME),
-    "worker": (WORKER_READY, REQUESTS_RUNNING, REQUESTS_WAITING, KV_CACHE_USAGE, PREEMPTIONS, SPEC_DRAFTS, SPEC_DRAFT_TOKENS,
-               SPEC_ACCEPTED_TOKENS, SPEC_ACCEPTED_PER_POS, GAMMA, DRAFT_RESIDENT, DRAFT_RESIDENCY, ACCEPTANCE_ALARM,
-               CATCHUP, CATCHUP_TOKENS, STEP_TIME, DRAFT_MOVES, DRAFT_MOVE_SECONDS, DRAFT_MOVE_BYTES, POLICY_VERSION),
+    "worker": (WORKER_READY, REQUESTS_RUNNING, REQUESTS_WAITING, KV_CACHE_USAGE, PREEMPTIONS, PREEMPTED_TOKENS,
+               SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED_TOKENS, SPEC_ACCEPTED_PER_POS, GAMMA, DRAFT_RESIDENT,
+               DRAFT_RESIDENCY, ACCEPTANCE_ALARM, CATCHUP, CATCHUP_TOKENS, STEP_TIME, DRAFT_MOVES, DRAFT_MOVE_SECONDS,
+               DRAFT_MOVE_BYTES, POLICY_VERSION),
     "planner": (POLICY_VERSION,),
     "scheduler": (),  # its state is in Redis (`nightjar queue`); it exports process_* only
 }
@@ -218,6 +221,7 @@ def observe_step(stats: StepStats) -> None:
     engine's snapshot instead (``observe_engine_state``): they must also fall when it goes idle."""
     if stats.preempted:
         PREEMPTIONS.labels(model_name=_model_name).inc(stats.preempted)
+        PREEMPTED_TOKENS.labels(model_name=_model_name).inc(stats.preempted_tokens)
     GAMMA.labels(model_name=_model_name).set(stats.gamma)
     if stats.gamma > 0 and stats.batch_size > 0:
         # vLLM counts one draft per sequence per step, and gamma tokens per draft.

@@ -98,7 +98,7 @@ def _majority(values: list[str]) -> str:
 
 RECORDING_FIELDS = ("batch_size", "gamma", "draft_ms", "verify_ms", "accepted_per_position", "emitted_tokens",
                     "prefill_tokens", "catchup_tokens", "catchup_ms", "kv_blocks_used", "kv_blocks_free", "waiting",
-                    "step_ms", "preempted")
+                    "step_ms", "preempted", "preempted_tokens")
 
 
 def recording(steps: list[StepStats], source: str) -> dict:
@@ -119,10 +119,10 @@ def summarize_steps(steps: list[StepStats], since_unix_ms: float = 0.0, load_unt
     window): in the drain that follows, the batch falls through every bucket and the table's
     γ per batch size shows as switches that steady load never makes."""
     steps = [s for s in steps if s.unix_ms >= since_unix_ms]
-    out = {"steps": len(steps), "gamma_switches": 0, "load_steps": 0, "load_switches": 0, "offloads": 0, "reloads": 0, "acceptance": None,
-           "accepted_per_step": None, "spec_step_share": 0.0, "catchup_tokens": 0, "catchup_ms": 0.0,
-           "preempted": 0, "emitted_tokens": 0, "mean_batch": 0.0, "mean_step_ms": 0.0, "acceptance_alarms": 0,
-           "cells": {}}
+    out = {"steps": len(steps), "gamma_switches": 0, "load_steps": 0, "load_switches": 0, "offloads": 0, "reloads": 0,
+           "acceptance": None, "accepted_per_step": None, "spec_step_share": 0.0, "catchup_tokens": 0, "catchup_ms": 0.0,
+           "preempted": 0, "preempted_tokens": 0, "prefill_tokens": 0, "emitted_tokens": 0, "mean_batch": 0.0,
+           "mean_step_ms": 0.0, "acceptance_alarms": 0, "cells": {}}
     if not steps:
         return out
     last_gamma: dict[str, int] = {}
@@ -157,6 +157,8 @@ def summarize_steps(steps: list[StepStats], since_unix_ms: float = 0.0, load_unt
         out["catchup_tokens"] += s.catchup_tokens
         out["catchup_ms"] += s.catchup_ms
         out["preempted"] += s.preempted
+        out["preempted_tokens"] += s.preempted_tokens
+        out["prefill_tokens"] += s.prefill_tokens
         out["emitted_tokens"] += s.emitted_tokens
         out["acceptance_alarms"] += int(s.acceptance_alarm)
     decode = [s for s in steps if s.batch_size > 0]

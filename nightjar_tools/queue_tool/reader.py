@@ -306,6 +306,7 @@ class QueueReader:
             "catchup": {"count": len(catchups), "tokens": sum(s.catchup_tokens for s in catchups),
                         "mean_ms": _round(statistics.fmean(s.catchup_ms for s in catchups)) if catchups else None},
             "preempted": sum(s.preempted for s in steps),
+            "preempted_tokens": sum(s.preempted_tokens for s in steps),
             "acceptance_alarms": sum(1 for s in steps if s.acceptance_alarm),
             "errors": bad,
         }

@@ -125,7 +125,8 @@ def model_view(doc: dict[str, Any]) -> Group | Text:
 
 
 def stats_view(doc: dict[str, Any]) -> Group:
-    head = Text(f"{doc['steps']} steps over {_fmt(doc['window_s'])} s; preempted {doc['preempted']}; "
+    head = Text(f"{doc['steps']} steps over {_fmt(doc['window_s'])} s; preempted {doc['preempted']} "
+                f"({doc['preempted_tokens']} tokens to prefill again); "
                 f"catch-ups {doc['catchup']['count']} ({doc['catchup']['tokens']} tokens, "
                 f"mean {_fmt(doc['catchup']['mean_ms'])} ms); acceptance alarms {doc['acceptance_alarms']}",
                 style="red" if doc["acceptance_alarms"] else "")

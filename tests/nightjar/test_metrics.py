@@ -52,7 +52,7 @@ def metrics_port() -> int:
 def _step(**kw) -> StepStats:
     base = dict(worker_id="w0", step=1, unix_ms=0, batch_size=4, gamma=3, draft_ms=1.0, verify_ms=2.0,
                 step_ms=4.0, accepted_per_position=(4, 3, 1), emitted_tokens=12, kv_blocks_used=30,
-                kv_blocks_free=70, waiting=2, preempted=1, draft_residency="resident",
+                kv_blocks_free=70, waiting=2, preempted=1, preempted_tokens=37, draft_residency="resident",
                 catchup_tokens=17, catchup_ms=25.0)
     base.update(kw)
     return StepStats(**base)
@@ -68,7 +68,7 @@ def test_every_metric_is_prefixed(metrics_port):
                      "nightjar_time_to_first_token_seconds", "nightjar_inter_token_latency_seconds",
                      "nightjar_e2e_request_latency_seconds", "nightjar_request_queue_time_seconds",
                      "nightjar_prompt_tokens", "nightjar_generation_tokens", "nightjar_request_success",
-                     "nightjar_num_preemptions", "nightjar_spec_decode_num_drafts",
+                     "nightjar_num_preemptions", "nightjar_num_preempted_tokens", "nightjar_spec_decode_num_drafts",
                      "nightjar_spec_decode_num_draft_tokens", "nightjar_spec_decode_num_accepted_tokens",
                      "nightjar_spec_decode_num_accepted_tokens_per_pos", "nightjar_gamma", "nightjar_draft_resident",
                      "nightjar_draft_moves", "nightjar_draft_move_seconds", "nightjar_catchup_seconds"):
@@ -153,6 +153,7 @@ def test_step_and_moves_in_registry():
     drafts = _s("nightjar_spec_decode_num_drafts_total") or 0.0
     draft_tokens = _s("nightjar_spec_decode_num_draft_tokens_total") or 0.0
     preempt = _s("nightjar_num_preemptions_total") or 0.0
+    preempted_tokens = _s("nightjar_num_preempted_tokens_total") or 0.0
     catchups = _s("nightjar_catchup_seconds_count") or 0.0
 
     m.observe_step(_step())
@@ -165,6 +166,7 @@ def test_step_and_moves_in_registry():
     assert _s("nightjar_spec_decode_num_drafts_total") - drafts == 4
     assert _s("nightjar_spec_decode_num_draft_tokens_total") - draft_tokens == 12
     assert _s("nightjar_num_preemptions_total") - preempt == 1
+    assert _s("nightjar_num_preempted_tokens_total") - preempted_tokens == 37
     assert _s("nightjar_catchup_seconds_count") - catchups == 1
 
     # gamma 0, draft offloaded: no drafts counted, residency flips, no catch-up observed

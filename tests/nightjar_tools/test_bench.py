@@ -191,13 +191,17 @@ def test_summarize_steps_counts_switches_offloads_and_acceptance():
     assert s["acceptance"] == pytest.approx((6 + 8 + 2 + 3) / (8 + 8 + 4 + 12))
     assert s["spec_step_share"] == pytest.approx(4 / 7)  # of the decode steps
     assert summarize_steps([])["acceptance"] is None
+    steps[3] = msgspec.structs.replace(steps[3], preempted=2, preempted_tokens=40, prefill_tokens=40)
+    steps[5] = msgspec.structs.replace(steps[5], prefill_tokens=25)
+    s = summarize_steps(steps)
+    assert (s["preempted"], s["preempted_tokens"], s["prefill_tokens"]) == (2, 40, 65)
 
 
 def test_a_recording_gives_back_every_recorded_field_of_its_steps():
     steps = [_step(0, 2, accepted=(4, 2)), _step(1, 0, residency="offloaded"), _step(2, 0, batch=0, emitted=0)]
-    steps[1] = msgspec.structs.replace(steps[1], preempted=3, step_ms=7.5)
+    steps[1] = msgspec.structs.replace(steps[1], preempted=3, preempted_tokens=90, step_ms=7.5)
     rec = json.loads(json.dumps(recording(steps, "test")))  # as saved to OUT/steps/
-    assert {"step_ms", "preempted"} <= set(rec["fields"]) and rec["draft_residency"][1] == "offloaded"
+    assert {"step_ms", "preempted", "preempted_tokens"} <= set(rec["fields"]) and rec["draft_residency"][1] == "offloaded"
     for step, values in zip(steps, rec["rows"], strict=True):
         row = dict(zip(rec["fields"], values))
         row["accepted_per_position"] = tuple(row["accepted_per_position"])

@@ -135,10 +135,12 @@ def test_workers_with_heartbeats_and_last_batch(r, keys, q):
 
 
 def _step(worker: str, batch: int = 4, gamma: int = 2, acc=(4, 2), step_ms: float = 10.0, emitted: int = 10,
-          catchup_tokens: int = 0, catchup_ms: float = 0.0, unix_ms: int = 0) -> StepStats:
+          catchup_tokens: int = 0, catchup_ms: float = 0.0, unix_ms: int = 0, preempted: int = 0,
+          preempted_tokens: int = 0) -> StepStats:
     return StepStats(worker_id=worker, step=1, unix_ms=unix_ms or now_ms(), batch_size=batch, gamma=gamma, draft_ms=1.0,
                      verify_ms=2.0, step_ms=step_ms, accepted_per_position=acc, emitted_tokens=emitted,
-                     catchup_tokens=catchup_tokens, catchup_ms=catchup_ms)
+                     catchup_tokens=catchup_tokens, catchup_ms=catchup_ms, preempted=preempted,
+                     preempted_tokens=preempted_tokens)
 
 
 def test_policy(r, keys, q):
@@ -167,7 +169,8 @@ def test_stats_acceptance_per_position_and_time_by_gamma(r, keys, q):
     r.xadd(keys.stats, {b"s": _step("w1", batch=4, gamma=2, acc=(4, 2), step_ms=10, emitted=10, unix_ms=t - 2000).encode()})
     r.xadd(keys.stats, {b"s": _step("w1", batch=2, gamma=2, acc=(1, 0), step_ms=20, emitted=3, catchup_tokens=50,
                                     catchup_ms=8.0, unix_ms=t - 1000).encode()})
-    r.xadd(keys.stats, {b"s": _step("w1", batch=8, gamma=0, acc=(), step_ms=6, emitted=8, unix_ms=t).encode()})
+    r.xadd(keys.stats, {b"s": _step("w1", batch=8, gamma=0, acc=(), step_ms=6, emitted=8, unix_ms=t, preempted=2,
+                                    preempted_tokens=75).encode()})
     r.xadd(keys.stats, {b"s": b"bad"})
     code, doc = q("stats")
     assert code == 0 and doc["steps"] == 3 and doc["window_s"] == pytest.approx(2.0)
@@ -179,6 +182,9 @@ def test_stats_acceptance_per_position_and_time_by_gamma(r, keys, q):
     assert (g0["gamma"], g0["steps"], g0["mean_step_ms"], g0["tokens_per_step"], g0["ms_per_token"]) == (0, 1, 6.0, 8.0, 0.75)
     assert (g2["gamma"], g2["steps"], g2["mean_batch_size"], g2["mean_step_ms"], g2["tokens_per_step"]) == (2, 2, 3.0, 15.0, 6.5)
     assert doc["catchup"] == {"count": 1, "tokens": 50, "mean_ms": 8.0}
+    assert (doc["preempted"], doc["preempted_tokens"]) == (2, 75)
+    code, text = q("stats", json_out=False)
+    assert code == 0 and "preempted 2 (75 tokens to prefill again)" in text
     assert len(doc["errors"]) == 1 and doc["errors"][0]["error"]
 
 

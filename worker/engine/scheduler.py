@@ -16,6 +16,7 @@ class ScheduledBatch:
     decode: list[Sequence] = field(default_factory=list)  # fed [last token] + γ proposals
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, chunk length)
     preempted: int = 0
+    preempted_tokens: int = 0  # KV the preemptions freed: prefilled again when they come back
 
     @property
     def empty(self) -> bool:
@@ -58,6 +59,7 @@ class Scheduler:
                 continue
             while not self._reserve(seq, gamma):
                 victim = self.running[-1]
+                batch.preempted_tokens += victim.num_computed
                 self.preempt(victim)
                 batch.preempted += 1
                 if victim is seq:

@@ -50,10 +50,19 @@ def test_preemption_under_tiny_budget_keeps_greedy_output():
     # 16 blocks of 8 tokens: six requests of ~40 prompt + 24 new tokens need ~8 blocks each
     eng = engine(target, block_size=8, kv_budget_bytes=16 * bpb, max_running=6, max_batched_tokens=64, gamma_max=2)
     prompts = [p[:40] for p in prompt_ids(target, 26)[20:26]]
-    preempted = []
+    seen = {}  # step number -> its stats (on_step sees the step before; the last one is read after)
     out = run_all(eng, [EngineRequest(f"r{i}", list(p), SamplingParams(max_tokens=24)) for i, p in enumerate(prompts)],
-                  on_step=lambda e, s: preempted.append(e.last_stats.preempted if e.last_stats else 0))
-    assert sum(preempted) > 0, "the budget was meant to force preemption"
+                  on_step=lambda e, s: seen.update({e.last_stats.step: e.last_stats}) if e.last_stats else None)
+    seen[eng.last_stats.step] = eng.last_stats
+    steps = list(seen.values())
+    assert len(steps) == eng.last_stats.step
+    preempted = sum(s.preempted for s in steps)
+    assert preempted > 0, "the budget was meant to force preemption"
+    # What was prefilled beyond the prompts is the recompute: the KV each preemption freed, plus
+    # at most one token per victim (a decoding victim's last token is fed by its new prefill).
+    recomputed = sum(s.prefill_tokens for s in steps) - sum(map(len, prompts))
+    freed = sum(s.preempted_tokens for s in steps)
+    assert freed > 0 and freed <= recomputed <= freed + preempted
     for i, p in enumerate(prompts):
         err = check_greedy(hf_greedy(target, p, 24), out[f"r{i}"])
         assert err is None, f"request {i}: {err}"
