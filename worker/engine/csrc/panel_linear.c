@@ -12,6 +12,7 @@
  */
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define NR 16 /* panel width */
@@ -21,12 +22,16 @@
 typedef float vec __attribute__((vector_size(64)));
 #define MR 12
 #define NP 2
+/* from 8 rows on, x is first copied into row tiles (pack_x): a full tile's broadcasts from 12 rows
+ * K floats apart ran 8-10% off the FLOP floor at M >= 64 (BENCHMARKS.md, "CPU linear path") */
+#define PACK_ROWS 8
 #else
 /* 16 registers of 8 floats: a panel row is two vectors; a tile of 6 rows x 1 panel holds 12
  * accumulators + 2 weight vectors + 1 broadcast. */
 typedef float vec __attribute__((vector_size(32)));
 #define MR 6
 #define NP 1
+#define PACK_ROWS INT64_MAX /* 6 rows apart stream as fast as one tile copy (measured: no gain) */
 #endif
 #define VW ((int)(sizeof(vec) / sizeof(float)))
 /* the same vector at float alignment, for loads and stores that leave acc and the weights in
@@ -42,7 +47,7 @@ typedef float uvec __attribute__((vector_size(sizeof(vec)), aligned(4)));
 #define UNROLL _Pragma("GCC unroll 16")
 
 typedef struct {
-    const float *x, *wp, *bias, *add;
+    const float *x, *xp, *wp, *bias, *add; /* xp: x in row tiles (pack_x), or NULL */
     float *y;
     int64_t M, K, N, p0, p1, mb;
 } Args;
@@ -56,10 +61,12 @@ INLINE void load_w(vec *wv, const float *w, int64_t stride, int64_t k, int64_t n
 /* rows [m, m + mr) x panels [p, p + np), all of K; called with constant mr, u and np so that the
  * loops unroll into registers. A few rows alone would leave mr * NV * np FMA chains, each waiting
  * on its own latency, so k is split into u interleaved chains (u * mr * NV * np <= ACC). */
-INLINE void tile(const Args *a, int64_t m, int64_t mr, int64_t u, int64_t p, int64_t np, int pf) {
+INLINE void tile(const Args *a, int64_t m, int64_t mr, int64_t u, int64_t p, int64_t np, int pf, int packed) {
     const int64_t K = a->K, stride = K * NR;  /* floats per panel */
     const float *w = a->wp + p * stride;
-    const float *x = a->x + m * K;
+    /* x[r, k] is x[r * rs + k * ks]: row-major, or the tile's [K][MR] copy (m is a multiple of MR) */
+    const float *x = (packed ? a->xp : a->x) + m * K;
+    const int64_t rs = packed ? 1 : K, ks = packed ? MR : 1;
     /* every loop over j, r, i and v is unrolled, or GCC keeps acc on the stack for 8-float vectors */
     vec acc[MAX_U][MR][NP * NV];
     UNROLL for (int64_t j = 0; j < u; j++)
@@ -73,14 +80,14 @@ INLINE void tile(const Args *a, int64_t m, int64_t mr, int64_t u, int64_t p, int
             vec wv[NP * NV];
             load_w(wv, w, stride, k + j, np);
             UNROLL for (int64_t r = 0; r < mr; r++)
-                UNROLL for (int v = 0; v < np * NV; v++) acc[j][r][v] += x[r * K + k + j] * wv[v];
+                UNROLL for (int v = 0; v < np * NV; v++) acc[j][r][v] += x[r * rs + (k + j) * ks] * wv[v];
         }
     }
     for (; k < K; k++) {
         vec wv[NP * NV];
         load_w(wv, w, stride, k, np);
         UNROLL for (int64_t r = 0; r < mr; r++)
-            UNROLL for (int v = 0; v < np * NV; v++) acc[0][r][v] += x[r * K + k] * wv[v];
+            UNROLL for (int v = 0; v < np * NV; v++) acc[0][r][v] += x[r * rs + k * ks] * wv[v];
     }
     float sum[MR][NP * NR];
     UNROLL for (int64_t r = 0; r < mr; r++)
@@ -107,12 +114,12 @@ INLINE int64_t chains(int64_t r, int64_t np) {
     const int64_t u = ACC / (r * NV * np);
     return u > MAX_U ? MAX_U : u < 1 ? 1 : u;
 }
-#define TAIL(r, np) case r: tile(a, m, r, chains(r, np), p, np, pf); break;
+#define TAIL(r, np) case r: tile(a, m, r, chains(r, np), p, np, pf, packed); break;
 
 /* rows [m0, m1) x panels [p, p + np) */
-INLINE void sweep(const Args *a, int64_t m0, int64_t m1, int64_t p, int64_t np, int pf) {
+INLINE void sweep(const Args *a, int64_t m0, int64_t m1, int64_t p, int64_t np, int pf, int packed) {
     int64_t m = m0;
-    for (; m + MR <= m1; m += MR, pf = 0) tile(a, m, MR, 1, p, np, pf);
+    for (; m + MR <= m1; m += MR, pf = 0) tile(a, m, MR, 1, p, np, pf, packed);
     switch (m1 - m) {
         TAIL(1, np) TAIL(2, np) TAIL(3, np) TAIL(4, np) TAIL(5, np)
 #if MR > 6
@@ -130,11 +137,33 @@ static void *run_range(void *p_) {
             /* Below ~4 rows a pass over the panels is as fast as DRAM streams them; above, the first
              * tile pulls the next panels into L2 so that streaming overlaps the arithmetic. */
             const int pf = m1 - m0 >= PF_ROWS && p + NP < a->p1;
-            if (p + NP <= a->p1) sweep(a, m0, m1, p, NP, pf);
-            else sweep(a, m0, m1, p, 1, 0);  /* an odd last panel */
+            if (a->xp) { /* two call sites, so that packed is a constant in each */
+                if (p + NP <= a->p1) sweep(a, m0, m1, p, NP, pf, 1);
+                else sweep(a, m0, m1, p, 1, 0, 1);  /* an odd last panel */
+            } else {
+                if (p + NP <= a->p1) sweep(a, m0, m1, p, NP, pf, 0);
+                else sweep(a, m0, m1, p, 1, 0, 0);
+            }
         }
     }
     return NULL;
+}
+
+/* x [M, K] -> xp [ceil(M/MR)][K][MR]: a tile's broadcasts then read one sequential stream instead
+ * of MR rows K floats apart (the rows past M in the last tile are left unset and never read) */
+static float *pack_x(const float *x, int64_t M, int64_t K) {
+    const int64_t tiles = (M + MR - 1) / MR;
+    float *xp = aligned_alloc(64, (size_t)((tiles * MR * K * (int64_t)sizeof(float) + 63) / 64 * 64));
+    if (!xp) return NULL;
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t rows = M - t * MR < MR ? M - t * MR : MR;
+        float *dst = xp + t * MR * K;
+        for (int64_t r = 0; r < rows; r++) {
+            const float *src = x + (t * MR + r) * K;
+            for (int64_t k = 0; k < K; k++) dst[k * MR + r] = src[k];
+        }
+    }
+    return xp;
 }
 
 /* x [M, K] contiguous, wp [ceil(N/16), K, 16] (columns past N zero), bias [N] or NULL,
@@ -147,9 +176,10 @@ void panel_linear(const float *x, int64_t M, int64_t K, const float *wp, int64_t
     if (threads > P) threads = (int)P;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads < 1) threads = 1;
+    float *xp = M >= PACK_ROWS ? pack_x(x, M, K) : NULL; /* (unpacked if the allocation fails) */
     Args args[MAX_THREADS];
     for (int i = 0; i < threads; i++)
-        args[i] = (Args){x, wp, bias, add, y, M, K, N, P * i / threads, P * (i + 1) / threads, mb};
+        args[i] = (Args){x, xp, wp, bias, add, y, M, K, N, P * i / threads, P * (i + 1) / threads, mb};
     pthread_t tid[MAX_THREADS];
     int started = 0; /* threads 1..started run beside this one; any that failed to start run here */
     while (started + 1 < threads && pthread_create(&tid[started + 1], NULL, run_range, &args[started + 1]) == 0)
@@ -157,4 +187,5 @@ void panel_linear(const float *x, int64_t M, int64_t K, const float *wp, int64_t
     for (int i = started + 1; i < threads; i++) run_range(&args[i]);
     run_range(&args[0]);
     for (int i = 1; i <= started; i++) pthread_join(tid[i], NULL);
+    free(xp);
 }
