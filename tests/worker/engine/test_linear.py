@@ -51,6 +51,18 @@ def test_packed_linear_matches_f_linear(rows, kind, threads):
 
 
 @pytest.mark.skipif(linear.kernel() is None, reason="no C compiler")
+@pytest.mark.parametrize("rows", [8, 173, 300])
+def test_the_panel_kernel_matches_across_row_blocks(rows):
+    # K = 3000: the kernel passes over the weights once per 2 MiB of x (168 rows here), so 173 and 300
+    # rows span two blocks, each in row tiles copied from x, the last one partial
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(64, 3000, generator=gen) / 64
+    x = torch.randn(rows, 3000, generator=gen)
+    ref = F.linear(x, w)
+    assert (packed_linear(x, pack(w, "panel")) - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.skipif(linear.kernel() is None, reason="no C compiler")
 def test_auto_packs_panels_where_the_kernel_takes_the_shape_and_onednn_elsewhere():
     assert pack(torch.randn(32, 8)).dim() == 3
     assert pack(torch.randn(24, 8)).dim() == 2  # 24 is not a whole number of 16-column panels
