@@ -53,8 +53,9 @@ def test_packed_linear_matches_f_linear(rows, kind, threads):
 @pytest.mark.skipif(linear.kernel() is None, reason="no C compiler")
 @pytest.mark.parametrize("rows", [8, 173, 300])
 def test_the_panel_kernel_matches_across_row_blocks(rows):
-    # K = 3000: the kernel passes over the weights once per 2 MiB of x (168 rows here), so 173 and 300
-    # rows span two blocks, each in row tiles copied from x, the last one partial
+    # K = 3000: the kernel passes over the weights once per 2 MiB of x (168 rows with AVX-512), so 173
+    # and 300 rows span two blocks; built for AVX-512 it copies each block's rows into tiles, the last
+    # one partial (8 rows: one partial tile)
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(64, 3000, generator=gen) / 64
     x = torch.randn(rows, 3000, generator=gen)

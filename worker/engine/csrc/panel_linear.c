@@ -23,7 +23,7 @@ typedef float vec __attribute__((vector_size(64)));
 #define MR 12
 #define NP 2
 /* from 8 rows on, x is first copied into row tiles (pack_x): a full tile's broadcasts from 12 rows
- * K floats apart ran 8-10% off the FLOP floor at M >= 64 (BENCHMARKS.md, "CPU linear path") */
+ * K floats apart kept large steps off the FLOP floor (BENCHMARKS.md, "CPU linear path, third pass") */
 #define PACK_ROWS 8
 #else
 /* 16 registers of 8 floats: a panel row is two vectors; a tile of 6 rows x 1 panel holds 12
@@ -31,7 +31,7 @@ typedef float vec __attribute__((vector_size(64)));
 typedef float vec __attribute__((vector_size(32)));
 #define MR 6
 #define NP 1
-#define PACK_ROWS INT64_MAX /* 6 rows apart stream as fast as one tile copy (measured: no gain) */
+#define PACK_ROWS INT64_MAX /* 6 rows apart stream as fast as a copy (the same section) */
 #endif
 #define VW ((int)(sizeof(vec) / sizeof(float)))
 /* the same vector at float alignment, for loads and stores that leave acc and the weights in
