@@ -129,6 +129,12 @@ INLINE void sweep(const Args *a, int64_t m0, int64_t m1, int64_t p, int64_t np, 
     }
 }
 
+/* rows [m0, m1) x the NP panels from p, or the odd last panel */
+INLINE void sweep_pair(const Args *a, int64_t m0, int64_t m1, int64_t p, int pf, int packed) {
+    if (p + NP <= a->p1) sweep(a, m0, m1, p, NP, pf, packed);
+    else sweep(a, m0, m1, p, 1, 0, packed);
+}
+
 static void *run_range(void *p_) {
     const Args *a = p_;
     for (int64_t m0 = 0; m0 < a->M; m0 += a->mb) {
@@ -137,13 +143,8 @@ static void *run_range(void *p_) {
             /* Below ~4 rows a pass over the panels is as fast as DRAM streams them; above, the first
              * tile pulls the next panels into L2 so that streaming overlaps the arithmetic. */
             const int pf = m1 - m0 >= PF_ROWS && p + NP < a->p1;
-            if (a->xp) { /* two call sites, so that packed is a constant in each */
-                if (p + NP <= a->p1) sweep(a, m0, m1, p, NP, pf, 1);
-                else sweep(a, m0, m1, p, 1, 0, 1);  /* an odd last panel */
-            } else {
-                if (p + NP <= a->p1) sweep(a, m0, m1, p, NP, pf, 0);
-                else sweep(a, m0, m1, p, 1, 0, 0);
-            }
+            if (a->xp) sweep_pair(a, m0, m1, p, pf, 1); /* packed a constant at each call, for the unrolled loads */
+            else sweep_pair(a, m0, m1, p, pf, 0);
         }
     }
     return NULL;
