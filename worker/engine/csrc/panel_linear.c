@@ -31,7 +31,7 @@ typedef float vec __attribute__((vector_size(64)));
 typedef float vec __attribute__((vector_size(32)));
 #define MR 6
 #define NP 1
-#define PACK_ROWS INT64_MAX /* 6 rows apart stream as fast as a copy (the same section) */
+#define PACK_ROWS INT64_MAX /* 6 rows apart stream as fast as a copy (the same BENCHMARKS section) */
 #endif
 #define VW ((int)(sizeof(vec) / sizeof(float)))
 /* the same vector at float alignment, for loads and stores that leave acc and the weights in
