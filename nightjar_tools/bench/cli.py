@@ -99,6 +99,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--oracle", action="store_true",
                    help="after each repeat, also run the hindsight oracle: per workload, the best static table on the "
                         "surface that repeat measured (on by default with --headline)")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="probe the capacity again before every repeat after the first and scale that repeat's loads to it "
+                        "(γ stays the first calibration's), so a machine that drifts between repeats moves the ratios less "
+                        "(on by default with --headline)")
     p.add_argument("--record", action="store_true",
                    help="also write every run's engine steps to OUT/steps/, in the planner tests' replay format")
     p.add_argument("--report", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
@@ -170,7 +174,7 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
                             target_model=a.target_model, draft_model=a.draft_model,
                             worker_threads=a.worker_threads, capacity_rps=capacity, fixed_gamma=fixed_gamma,
                             capacity_probe_s=12.0 if a.quick else 20.0, repeats=a.repeats, progress=not a.no_progress,
-                            oracle=a.oracle or a.headline, record=a.record)
+                            oracle=a.oracle or a.headline, recalibrate=a.recalibrate or a.headline, record=a.record)
     except ValueError as exc:
         p.error(str(exc))
     t0 = time.monotonic()
@@ -194,26 +198,31 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
 def merge_payloads(payloads: list[dict]) -> dict:
     """Earlier comparisons as repeats of one: runs renumbered, goals recomputed across them.
 
-    They must share the calibration (``--calibration`` of the first), or their workloads differ."""
+    They must share the calibration (``--calibration`` of the first), or their workloads differ,
+    unless each was run with ``--recalibrate``: then every repeat had its own capacity anyway, and
+    its ratios pair runs at the same load."""
     from nightjar_tools.bench import report
 
     first = payloads[0]
     caps = {round(pl["calibration"]["capacity_rps"], 6) for pl in payloads}
-    if len(caps) > 1:
+    if len(caps) > 1 and not all("recalibrated" in pl["calibration"] for pl in payloads):
         raise ValueError(f"the results were run at different capacities {sorted(caps)}: rerun with --calibration FIRST/results.json")
-    runs, samples, rep = [], {}, 0
+    runs, samples, capacities, rep = [], {}, {}, 0
     for pl in payloads:
         reps = sorted({r.get("repeat", 0) for r in pl["runs"]})
         for k in reps:
             for r in pl["runs"]:
                 if r.get("repeat", 0) == k:
                     runs.append({**r, "repeat": rep})
+            capacities[str(rep)] = pl["calibration"].get("recalibrated", {}).get(str(k), pl["calibration"]["capacity_rps"])
             rep += 1
         for key, s in pl["samples"].items():
             policy, workload, *_ = key.split("|")
             samples.setdefault(f"{policy}|{workload}", s)  # timelines of the first repeat
     kinds = {r["workload"]: r["kind"] for r in runs}
     merged = {**first, "runs": runs, "samples": samples, "merged_from": rep}
+    if len(caps) > 1:
+        merged["calibration"] = {**first["calibration"], "recalibrated": capacities}
     merged["goals"] = report.goal_rows(runs, kinds) + report.learning_rows(merged)
     return merged
 
@@ -247,6 +256,9 @@ def render(payload: dict, wall_s: float | None = None) -> str:
         for g, row in sorted(cal["gamma_probe"].items(), key=lambda kv: int(kv[0])):
             acc = row.get("acceptance")
             lines.append(f"| {g} | {row['tokens_per_s']:.1f} | {'–' if acc is None else f'{acc:.2f}'} |")
+    if cal.get("recalibrated"):
+        lines.append("\nRecalibrated before each repeat, req/s: " +
+                     ", ".join(f"{float(c):.3f}" for _, c in sorted(cal["recalibrated"].items(), key=lambda kv: int(kv[0]))) + ".")
     for note in cal.get("notes", []):
         lines.append(f"\nNote: {note}")
     lines += ["", report.markdown_summary(payload["runs"]), report.markdown_goals(payload["goals"]),

@@ -88,6 +88,10 @@ class CompareConfig:
     # measured surface, per workload) on one more stack, the bench publishing its table.
     oracle: bool = False
     record: bool = False  # write every run's engine steps to OUT/steps/ (the planner tests' replay format)
+    # Probe the capacity again before every repeat after the first, and scale that repeat's loads
+    # to it (γ stays the first calibration's): the ratios depend on how far a trace overloads each
+    # policy, and a machine that runs faster later makes a fixed-rate trace a lighter overload.
+    recalibrate: bool = False
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -103,6 +107,8 @@ class CompareConfig:
         odd = [p for p in self.policies if _reads_surface(p) and p != "table:S" and p.split(":")[0] != "threshold"]
         if odd:
             raise ValueError(f"policy {odd[0]!r}: only table:S and threshold:S[:G] take S")
+        if self.recalibrate and all(w.spec.startswith("closed:") for w in self.workloads):
+            raise ValueError("--recalibrate rescales the loads to a new capacity, and closed-loop workloads have none")
         if self.prior_surface is None and any(_reads_surface(p) for p in self.policies):
             raise ValueError("table:S and threshold:S read the best γ per batch size off the prior surface, and there is "
                              "none for this target and device: pass --prior-surface FILE, or write the table out "
@@ -508,21 +514,9 @@ async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
         cal["fixed_gamma"] = 0
         cal["notes"].append("no policy names G: no batch-1 γ probe")
     if cal["fixed_gamma"] is None or cal["capacity_rps"] is None:
-        # γ probe (and the capacity at γ = 0) on a stack without a planner: the bench publishes.
-        async with RunningStack(cfg.stack_config("off", cfg.out_dir / "logs" / "calibration", planner=False)) as stack:
-            info = await model_info(stack.address)
-            log(f"calibrating on {stack.address} (model {info.model}, draft {info.draft_model or 'none'}, γmax {info.gamma_max})")
-            if cal["fixed_gamma"] is None:
-                g = await probe_gamma(stack, cfg, bank, info.gamma_max)
-                cal["notes"] += g.pop("notes")
-                cal.update(g)
-            if cal["capacity_rps"] is None:
-                cal.update(await probe_capacity(stack, cfg, bank))
+        await _calibrate(cfg, bank, cal, "calibration", log)
     cmp.calibration = cal
-    cap = cal["capacity_rps"]
-    log(f"capacity {cap:.3f} req/s; best γ at batch 1: {cal['fixed_gamma']}")
-    workloads = [build(w.spec, cap, w.duration_s, seed=cfg.seed, scale=cfg.scale) for w in cfg.workloads]
-    prompts = [bank.texts(wl, cfg.seed) for wl in workloads]
+    log(f"capacity {cal['capacity_rps']:.3f} req/s; best γ at batch 1: {cal['fixed_gamma']}")
     gamma = cal["fixed_gamma"]
     surface = None
     if any(_reads_surface(p) for p in cfg.policies):
@@ -530,7 +524,18 @@ async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
         cal["surface_table"] = {str(b): g for b, g in table_of(surface).items()}
         log(f"table:S, threshold:S from {cfg.prior_surface.name}: best γ {cal['surface_table']} (batch size upper bound: γ)")
     total, t_start = cfg.repeats * len(cfg.policies), time.monotonic()
+    cap = cal["capacity_rps"]
+    if cfg.recalibrate:
+        cal["recalibrated"] = {"0": cap}  # repeat: its capacity
     for rep in range(cfg.repeats):
+        if rep and cfg.recalibrate:
+            again = {"fixed_gamma": gamma, "capacity_rps": None, "notes": []}
+            await _calibrate(cfg, bank, again, f"calibration-r{rep}", log)
+            cap = cal["recalibrated"][str(rep)] = again["capacity_rps"]
+            log(f"repeat {rep + 1}: capacity {cap:.3f} req/s")
+        if rep == 0 or cfg.recalibrate:
+            workloads = [build(w.spec, cap, w.duration_s, seed=cfg.seed, scale=cfg.scale) for w in cfg.workloads]
+            prompts = [bank.texts(wl, cfg.seed) for wl in workloads]
         for i, spec in enumerate(policy_order(cfg.policies, rep)):
             policy = resolve_policy(spec, gamma, surface)
             await _one_policy(cmp, cfg, policy, rep, bank, workloads, prompts, log)
@@ -540,6 +545,20 @@ async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
         if cfg.oracle:
             await _oracle(cmp, cfg, rep, bank, workloads, prompts, log)
     return cmp
+
+
+async def _calibrate(cfg: CompareConfig, bank: PromptBank, cal: dict, name: str, log) -> None:
+    """Fill ``cal``'s missing γ and capacity on a stack without a planner (the bench publishes):
+    the γ probe first, then the capacity at γ = 0."""
+    async with RunningStack(cfg.stack_config("off", cfg.out_dir / "logs" / name, planner=False)) as stack:
+        info = await model_info(stack.address)
+        log(f"calibrating on {stack.address} (model {info.model}, draft {info.draft_model or 'none'}, γmax {info.gamma_max})")
+        if cal["fixed_gamma"] is None:
+            g = await probe_gamma(stack, cfg, bank, info.gamma_max)
+            cal["notes"] += g.pop("notes")
+            cal.update(g)
+        if cal["capacity_rps"] is None:
+            cal.update(await probe_capacity(stack, cfg, bank))
 
 
 async def _oracle(cmp: Comparison, cfg: CompareConfig, rep: int, bank: PromptBank, workloads: list[Workload],
@@ -564,7 +583,7 @@ async def _oracle(cmp: Comparison, cfg: CompareConfig, rep: int, bank: PromptBan
                 result, steps = await run_on_stack(stack, wl, texts, cfg, f"oracle | {plan.spec}")
             run = report.summarize_workload(result, steps, wl)
             run.update(policy=report.ORACLE, kind=plan.kind, repeat=rep, loadavg_1m=os.getloadavg()[0], speed_probe_ms=speed,
-                       oracle_table=table)
+                       capacity_rps=wl.capacity_rps, oracle_table=table)
             cmp.runs.append(run)
             cmp.samples[f"{report.ORACLE}|{plan.spec}" + (f"|r{rep}" if rep else "")] = result.samples
             report.write_json(cfg.out_dir / "results.json", cmp.payload())
@@ -592,7 +611,8 @@ async def _one_policy(cmp: Comparison, cfg: CompareConfig, policy: str, rep: int
                     json.dumps(recording(seen, f"nightjar bench {policy} | {plan.spec}, repeat {rep + 1}")))
             run = report.summarize_workload(result, steps, wl)
             # The machine is shared: its load average says how noisy this run's figures are.
-            run.update(policy=policy, kind=plan.kind, repeat=rep, loadavg_1m=os.getloadavg()[0], speed_probe_ms=speed)
+            run.update(policy=policy, kind=plan.kind, repeat=rep, loadavg_1m=os.getloadavg()[0], speed_probe_ms=speed,
+                       capacity_rps=wl.capacity_rps)
             cmp.runs.append(run)
             cmp.samples[f"{policy}|{plan.spec}" + (f"|r{rep}" if rep else "")] = result.samples
             report.write_json(cfg.out_dir / "results.json", cmp.payload())

@@ -460,6 +460,52 @@ def test_merge_turns_result_files_into_repeats():
     other["calibration"]["capacity_rps"] = 3.0
     with pytest.raises(ValueError, match="--calibration"):
         merge_payloads([payload(130), other])
+    # Recalibrated runs pair each repeat's runs at that repeat's own load: they merge, and keep
+    # every repeat's capacity under its new number.
+    first, second = payload(130), payload(120)
+    first["calibration"]["recalibrated"] = {"0": 2.0}
+    second["calibration"].update(capacity_rps=3.0, recalibrated={"0": 3.0})
+    merged = merge_payloads([first, second])
+    assert merged["calibration"]["recalibrated"] == {"0": 2.0, "1": 3.0}
+    assert sorted(r["repeat"] for r in merged["runs"]) == [0, 0, 1, 1]
+
+
+def test_recalibrate_scales_each_repeats_loads_to_the_capacity_probed_before_it(tmp_path, monkeypatch):
+    from nightjar_tools.bench import compare
+    from nightjar_tools.bench.compare import CompareConfig, WorkloadPlan, run_comparison
+
+    probed = iter([3.0, 4.0])
+    calibrations, seen = [], []
+
+    async def calibrate(cfg, bank, cal, name, log):
+        calibrations.append((name, dict(cal)))
+        cal["capacity_rps"] = next(probed)
+
+    async def one_policy(cmp, cfg, policy, rep, bank, workloads, prompts, log):
+        seen.append((rep, policy, [wl.capacity_rps for wl in workloads], len(workloads[0])))
+
+    monkeypatch.setattr(compare, "_calibrate", calibrate)
+    monkeypatch.setattr(compare, "_one_policy", one_policy)
+    plan = (WorkloadPlan("poisson:1.0", 30.0),)
+    cfg = CompareConfig(policies=("fixed:G", "nightjar"), workloads=plan, out_dir=tmp_path, capacity_rps=2.0,
+                        fixed_gamma=4, repeats=3, recalibrate=True, progress=False)
+    cmp = run_comparison(cfg, log=lambda m: None)
+    # γ is the first calibration's, so fixed:G stays the same peer; only the capacity is probed again.
+    assert [(name, cal["fixed_gamma"], cal["capacity_rps"]) for name, cal in calibrations] == \
+        [("calibration-r1", 4, None), ("calibration-r2", 4, None)]
+    assert [(rep, policy, caps) for rep, policy, caps, _ in seen] == \
+        [(0, "fixed:4", [2.0]), (0, "nightjar", [2.0]), (1, "nightjar", [3.0]), (1, "fixed:4", [3.0]),
+         (2, "fixed:4", [4.0]), (2, "nightjar", [4.0])]
+    n = {rep: count for rep, _, _, count in seen}
+    assert n[0] < n[1] < n[2]  # a faster machine gets a proportionally larger trace
+    assert cmp.calibration["recalibrated"] == {"0": 2.0, "1": 3.0, "2": 4.0}
+
+    seen.clear()
+    run_comparison(CompareConfig(policies=("nightjar",), workloads=plan, out_dir=tmp_path, capacity_rps=2.0, fixed_gamma=4,
+                                 repeats=2, progress=False), log=lambda m: None)
+    assert [caps for _, _, caps, _ in seen] == [[2.0], [2.0]]  # without it, one load for every repeat
+    with pytest.raises(ValueError, match="closed-loop"):
+        CompareConfig(policies=("nightjar",), workloads=(WorkloadPlan("closed:8", 30.0),), out_dir=tmp_path, recalibrate=True)
 
 
 def test_bench_gives_the_workers_its_models_and_sizes_the_budget_by_that_draft(tmp_path):
@@ -562,6 +608,7 @@ def test_headline_runs_every_peer_on_every_goal_workload_three_times(tmp_path, m
         cli.main(["--headline", "--no-progress", "--out", str(tmp_path)])
     cfg = got.value.args[0]
     assert cfg.repeats == 3 and {"ema", "heuristic", "nightjar", "nightjar-nooffload", "fixed:G", "off"} <= set(cfg.policies)
+    assert cfg.oracle and cfg.recalibrate  # hours long: each repeat's loads follow the machine's speed at the time
     kinds = {w.spec.split(":")[0].split("@")[0]: w.duration_s for w in cfg.workloads}
     assert {"burst", "oscillation", "ramp", "azure_conv", "azure_code", "poisson"} <= set(kinds)
     assert all(w.duration_s >= 120 for w in cfg.workloads if w.kind == "dynamic")
