@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     where = (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else
              f"{platform.processor() or platform.machine()} {torch.get_num_threads()} torch thread(s), shared 2-core dev box")
     machine = f"{where}, torch {torch.__version__}, {Path(args.target).name}+{Path(args.draft).name} {args.dtype}"
-    surface = {"machine": machine, **({} if args.device.startswith("cuda") else {"cpu": paths.cpu_signature()}),
+    surface = {"machine": machine, **({} if args.device.startswith("cuda") else {"cpu": paths.cpu_signature(), "l3_kib": paths.cpu_l3_kib()}),
                "batch_sizes": batches, "gammas": gammas, "step_ms": step_ms,
                "acceptance_per_position": acceptance, "catchup_ms_fixed": fixed, "catchup_ms_per_token": per_token,
                "tokens_per_s": tps, "crossover_batch_size": crossover,

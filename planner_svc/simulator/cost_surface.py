@@ -45,6 +45,7 @@ class CostSurface:
 
         {"machine": str, "batch_sizes": [..], "gammas": [0..γmax],
          "cpu": str (CPU surfaces),                        # nightjar.paths.cpu_signature: picks the default prior
+         "l3_kib": int (CPU surfaces),                     # nightjar.paths.cpu_l3_kib: picks among one cpu's surfaces
          "step_ms": [[ms per γ] per batch size],          # draft + verify of one decode step
          "draft_ms": [[..]] (optional, same shape),        # else see load_table
          "acceptance_per_position": [..],                  # P(accept position i | accepted 0..i-1)

@@ -62,18 +62,37 @@ def test_cpu_signature_is_the_first_cpus_vendor_and_widest_vector_unit(vendor, f
     assert paths.cpu_signature("") == ""
 
 
+def test_cpu_l3_is_read_from_sysfs(tmp_path):
+    from nightjar import paths
+
+    for index, (level, size) in enumerate([("1", "48K"), ("2", "2048K"), ("3", "491520K")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "level").write_text(level + "\n")
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert paths.cpu_l3_kib(tmp_path) == 491520
+    (tmp_path / "index2" / "size").write_text("32M\n")
+    (tmp_path / "index2" / "level").write_text("3\n")
+    assert paths.cpu_l3_kib(tmp_path) == 32768  # the first L3 listed
+    assert paths.cpu_l3_kib(tmp_path / "missing") is None
+
+
 def test_the_default_prior_is_the_surface_measured_on_this_kind_of_cpu():
-    """Each serve-pair surface names the CPU it was measured on; auto picks the one that matches,
-    and the pair's first surface where none does."""
+    """Each serve-pair surface names the CPU it was measured on and its L3; auto picks the one that
+    matches (of one signature, the nearest L3), and the pair's first surface where none does."""
     from nightjar import paths
 
     surfaces = sorted(paths.COST_SURFACES.glob("cpu_serve*.json"))
-    by_cpu = {json.loads(p.read_text())["cpu"]: p for p in surfaces}
-    assert len(by_cpu) == len(surfaces) >= 3, "two surfaces claim the same CPU"
-    for cpu, path in by_cpu.items():
-        assert paths.shipped_surface(paths.SERVE_TARGET, cpu=cpu) == path
+    by_cpu = {(d["cpu"], d["l3_kib"]): p for p in surfaces for d in [json.loads(p.read_text())]}
+    assert len(by_cpu) == len(surfaces) >= 4, "two surfaces claim the same CPU"
+    for (cpu, l3), path in by_cpu.items():
+        assert paths.shipped_surface(paths.SERVE_TARGET, cpu=cpu, l3_kib=l3) == path
+    # Two Xeons share a signature (260 and 480 MiB of L3): a third gets the nearer one's surface.
+    xeons = sorted((l3, p) for (cpu, l3), p in by_cpu.items() if cpu == "GenuineIntel avx512")
+    assert [l3 for l3, _ in xeons] == [266240, 491520]
+    assert paths.shipped_surface(paths.SERVE_TARGET, cpu="GenuineIntel avx512", l3_kib=300 << 10) == xeons[0][1]
+    assert paths.shipped_surface(paths.SERVE_TARGET, cpu="GenuineIntel avx512", l3_kib=400 << 10) == xeons[1][1]
     first = paths.COST_SURFACES / "cpu_serve.json"
-    assert paths.shipped_surface(paths.SERVE_TARGET, cpu="SomeoneElse neon") == first
+    assert paths.shipped_surface(paths.SERVE_TARGET, cpu="SomeoneElse neon", l3_kib=266240) == first
     assert paths.shipped_surface(paths.SERVE_TARGET, cpu="") == first
     assert paths.shipped_surface(paths.TINY_TARGET, cpu="AuthenticAMD avx512") == paths.COST_SURFACES / "cpu_tiny.json"
     assert paths.shipped_surface(paths.SERVE_TARGET) in surfaces  # this machine, whatever it is
