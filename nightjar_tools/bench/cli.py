@@ -101,8 +101,8 @@ def parser() -> argparse.ArgumentParser:
                         "surface that repeat measured (on by default with --headline)")
     p.add_argument("--recalibrate", action="store_true",
                    help="probe the capacity again before every repeat after the first and scale that repeat's loads to it "
-                        "(γ stays the first calibration's), so a machine that drifts between repeats moves the ratios less "
-                        "(on by default with --headline)")
+                        "(γ stays the first calibration's), for a machine that drifts slowly between repeats; the 20 s probe "
+                        "itself varies by ±15%% between repeats on a shared machine (BENCHMARKS.md)")
     p.add_argument("--record", action="store_true",
                    help="also write every run's engine steps to OUT/steps/, in the planner tests' replay format")
     p.add_argument("--report", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
@@ -174,7 +174,7 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
                             target_model=a.target_model, draft_model=a.draft_model,
                             worker_threads=a.worker_threads, capacity_rps=capacity, fixed_gamma=fixed_gamma,
                             capacity_probe_s=12.0 if a.quick else 20.0, repeats=a.repeats, progress=not a.no_progress,
-                            oracle=a.oracle or a.headline, recalibrate=a.recalibrate or a.headline, record=a.record)
+                            oracle=a.oracle or a.headline, recalibrate=a.recalibrate, record=a.record)
     except ValueError as exc:
         p.error(str(exc))
     t0 = time.monotonic()
@@ -221,7 +221,7 @@ def merge_payloads(payloads: list[dict]) -> dict:
             samples.setdefault(f"{policy}|{workload}", s)  # timelines of the first repeat
     kinds = {r["workload"]: r["kind"] for r in runs}
     merged = {**first, "runs": runs, "samples": samples, "merged_from": rep}
-    if len(caps) > 1:
+    if any("recalibrated" in pl["calibration"] for pl in payloads):
         merged["calibration"] = {**first["calibration"], "recalibrated": capacities}
     merged["goals"] = report.goal_rows(runs, kinds) + report.learning_rows(merged)
     return merged

@@ -473,7 +473,8 @@ def run_comparison(cfg: CompareConfig, log=print) -> Comparison:
     measures the saturated capacity that the workloads' loads are multiples of (with γ given, only
     the probe runs there). Then every policy's stack (embedded Redis, gateway, scheduler, planner
     ``--policy``, workers) is warmed up with two short requests and runs the workloads in the same
-    order, draining between them. With ``repeats`` the whole sweep runs again, policies interleaved."""
+    order, draining between them. With ``repeats`` the whole sweep runs again, policies interleaved
+    (and with ``recalibrate`` after its own capacity probe)."""
     return asyncio.run(_run_comparison(cfg, log))
 
 
@@ -526,12 +527,13 @@ async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
     total, t_start = cfg.repeats * len(cfg.policies), time.monotonic()
     cap = cal["capacity_rps"]
     if cfg.recalibrate:
-        cal["recalibrated"] = {"0": cap}  # repeat: its capacity
+        cal["recalibrated"] = {"0": cap}  # {repeat: the capacity its loads were scaled to}
     for rep in range(cfg.repeats):
         if rep and cfg.recalibrate:
             again = {"fixed_gamma": gamma, "capacity_rps": None, "notes": []}
             await _calibrate(cfg, bank, again, f"calibration-r{rep}", log)
             cap = cal["recalibrated"][str(rep)] = again["capacity_rps"]
+            cal.setdefault("recalibration_probes", {})[str(rep)] = again["capacity_probe"]
             log(f"repeat {rep + 1}: capacity {cap:.3f} req/s")
         if rep == 0 or cfg.recalibrate:
             workloads = [build(w.spec, cap, w.duration_s, seed=cfg.seed, scale=cfg.scale) for w in cfg.workloads]

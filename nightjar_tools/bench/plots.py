@@ -7,6 +7,7 @@ KV cache growing into its space, and what that does to tokens/s and latency.
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -84,29 +85,32 @@ def timeline(samples: list[dict], path: Path, title: str, capacity_rps: float | 
 
 
 def _ratios(runs: list[dict], baseline: str, key: str) -> dict[tuple[str, str], list[float]]:
-    """Every repeat's value ÷ the mean of ``baseline``'s repeats on the same workload."""
+    """Every repeat's value ÷ ``baseline``'s in the same repeat on the same workload (the goals'
+    paired ratios: repeats may differ in load, with ``--recalibrate``, or in the machine's speed),
+    or ÷ the mean of its repeats where it did not run in that one."""
     def value(r: dict) -> float | None:
         return r["tokens_per_s"] if key == "tokens_per_s" else r["e2e_s"]["mean"]
 
-    groups: dict[tuple[str, str], list[float]] = {}
+    groups: dict[tuple[str, str], list[tuple[int | None, float]]] = {}
     for r in runs:
         v = value(r)
         if v is not None:
-            groups.setdefault((r["policy"], r["workload"]), []).append(v)
+            groups.setdefault((r["policy"], r["workload"]), []).append((r.get("repeat"), v))
     out = {}
     for (pol, wl), vals in groups.items():
         base = groups.get((baseline, wl))
-        if base and sum(base) > 0:
-            ref = sum(base) / len(base)
-            out[(pol, wl)] = [v / ref for v in vals]
+        if base and sum(v for _, v in base) > 0:
+            mean = sum(v for _, v in base) / len(base)
+            same = {rep: v for rep, v in base if rep is not None and v > 0}
+            out[(pol, wl)] = [v / same.get(rep, mean) for rep, v in vals]
     return out
 
 
 def comparison_figure(runs: list[dict], baseline: str, title: str):
     """The figure of ``comparison_bars``: grouped bars per workload, every policy ÷ ``baseline``.
 
-    ``runs`` are the raw runs, repeats included: a bar is the mean ratio over repeats and its
-    whisker the repeats' min–max. Bars start at 1 (the baseline) and the y-axis is fitted to the
+    ``runs`` are the raw runs, repeats included: a bar is the median of the paired ratios over
+    repeats (as in the goals table) and its whisker their min–max. Bars start at 1 (the baseline) and the y-axis is fitted to the
     data, not to 0, so a ±10% difference is a tenth of the axis rather than a sliver on a bar of
     height 1. The legend sits under the panels, never on a bar or the title.
     """
@@ -121,22 +125,22 @@ def comparison_figure(runs: list[dict], baseline: str, title: str):
         ratios = _ratios(runs, baseline, key)
         lo, hi = 1.0, 1.0
         for i, pol in enumerate(policies):
-            xs, means, err_lo, err_hi = [], [], [], []
+            xs, mids, err_lo, err_hi = [], [], [], []
             for j, wl in enumerate(workloads):
                 vals = ratios.get((pol, wl))
                 if not vals:
                     continue
-                mean = sum(vals) / len(vals)
+                mid = statistics.median(vals)
                 xs.append(j + i * width)
-                means.append(mean)
-                err_lo.append(mean - min(vals))
-                err_hi.append(max(vals) - mean)
+                mids.append(mid)
+                err_lo.append(mid - min(vals))
+                err_hi.append(max(vals) - mid)
                 lo, hi = min(lo, min(vals)), max(hi, max(vals))
             color = colors[i % len(colors)]
-            ax.bar(xs, [m - 1.0 for m in means], width, bottom=1.0, color=color, label=pol)
+            ax.bar(xs, [m - 1.0 for m in mids], width, bottom=1.0, color=color, label=pol)
             if any(err_lo) or any(err_hi):
-                ax.errorbar(xs, means, yerr=[err_lo, err_hi], fmt="none", ecolor="black", elinewidth=1, capsize=3)
-            for x, m, e in zip(xs, means, err_hi):
+                ax.errorbar(xs, mids, yerr=[err_lo, err_hi], fmt="none", ecolor="black", elinewidth=1, capsize=3)
+            for x, m, e in zip(xs, mids, err_hi):
                 ax.annotate(f"{(m - 1) * 100:+.0f}%", (x, m + e if m >= 1 else m - e), ha="center",
                             va="bottom" if m >= 1 else "top", fontsize=7, xytext=(0, 2 if m >= 1 else -2),
                             textcoords="offset points")
