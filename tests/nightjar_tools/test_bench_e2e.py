@@ -52,6 +52,25 @@ def test_bench_runs_against_a_real_stack(tmp_path):
     assert (plots_dir / "timeline_fixed_2_poisson_0.5.png").is_file()
 
 
+def test_recalibrate_probes_the_capacity_before_each_repeat_on_a_real_stack(tmp_path):
+    """The capacity probe on a real stack (closed loop at γ = 0), once per repeat: each repeat's
+    runs carry the capacity their loads were scaled to."""
+    out = tmp_path / "out"
+    rc = main(["--policies", "fixed:G", "--workloads", "poisson:0.5@6", "--fixed-gamma", "2", "--repeats", "2",
+               "--recalibrate", "--drain-timeout-s", "30", "--output-scale", "0.3", "--max-output", "24",
+               "--out", str(out), "--no-progress"])
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    cal = data["calibration"]
+    assert cal["capacity_probe"]["saturated_tokens_per_s"] > 0 and cal["capacity_probe"]["finished"] >= 1
+    assert set(cal["recalibrated"]) == {"0", "1"} and cal["recalibrated"]["0"] == cal["capacity_rps"]
+    assert all(c > 0 for c in cal["recalibrated"].values()) and cal["recalibration_probes"]["1"]["finished"] >= 1
+    by_rep = {r["repeat"]: r for r in data["runs"]}
+    assert {rep: r["capacity_rps"] for rep, r in by_rep.items()} == {int(k): c for k, c in cal["recalibrated"].items()}
+    assert all(r["policy"] == "fixed:2" and r["ok"] == r["sent"] >= 1 for r in by_rep.values())
+    assert "Recalibrated before each repeat" in (out / "report.md").read_text()
+
+
 def _children(pid: int) -> dict[int, str]:
     """{pid: command line} of the processes whose parent is ``pid``."""
     out = {}
