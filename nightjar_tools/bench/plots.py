@@ -116,7 +116,8 @@ def comparison_figure(runs: list[dict], baseline: str, title: str):
     """
     workloads = list(dict.fromkeys(r["workload"] for r in runs))
     policies = list(dict.fromkeys(r["policy"] for r in runs))
-    repeats = max((len(v) for v in _ratios(runs, baseline, "tokens_per_s").values()), default=1)
+    counts = [len(v) for v in _ratios(runs, baseline, "tokens_per_s").values()] or [1]
+    repeats = str(max(counts)) if min(counts) == max(counts) else f"{min(counts)}–{max(counts)}"
     fig, axes = plt.subplots(2, 1, figsize=(max(7, 1.6 * len(workloads) + 3), 7.5), layout="constrained")
     width = 0.8 / max(len(policies), 1)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -151,7 +152,7 @@ def comparison_figure(runs: list[dict], baseline: str, title: str):
         ax.set_ylabel(label, fontsize=8)
         ax.grid(axis="y", color="0.9", lw=0.8)
         ax.set_axisbelow(True)
-    whiskers = f"; whiskers: min–max of {repeats} repeats" if repeats > 1 else ""
+    whiskers = f"; whiskers: min–max of {repeats} repeats" if max(counts) > 1 else ""
     fig.suptitle(f"{title} (baseline: {baseline}{whiskers})", fontsize=10)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=min(6, max(1, len(policies))), fontsize=8,

@@ -667,6 +667,12 @@ def test_comparison_chart_pairs_each_repeat_with_the_baselines_run_in_it():
     try:
         nightjar = max(fig.axes[0].patches, key=lambda p: p.get_x())
         assert nightjar.get_height() == pytest.approx(0.3)  # the median, as the goals report it
+        assert "min–max of 3 repeats" in fig._suptitle.get_text()
+    finally:
+        plt.close(fig)
+    fig = plots.comparison_figure(runs + [{**_run("ema", "conv", 120, 1.5, 0.2), "repeat": 0}], "fixed:4", "test")
+    try:
+        assert "min–max of 1–3 repeats" in fig._suptitle.get_text()  # a peer that ran in fewer repeats
     finally:
         plt.close(fig)
 

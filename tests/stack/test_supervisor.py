@@ -110,30 +110,32 @@ def test_serve_restarts_a_killed_scheduler_and_worker_and_serves_again(tmp_path)
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
     seen: list[str] = []
 
-    def wait_for(text: str, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+    def wait_for(*texts: str, timeout_s: float) -> None:
+        """Until each of ``texts`` is in a line logged from now on, in any order: the two services
+        restart on their own backoff clocks."""
+        start, deadline = len(seen), time.monotonic() + timeout_s
+        while not all(any(t in line for line in seen[start:]) for t in texts):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not all of {texts} within {timeout_s} s:\n" + "".join(seen))
             try:
                 seen.append(lines.get(timeout=0.2))
             except queue.Empty:
                 assert proc.poll() is None, "".join(seen)
-                continue
-            if text in seen[-1]:
-                return seen[-1]
-        raise AssertionError(f"no {text!r} within {timeout_s} s:\n" + "".join(seen))
 
     try:
-        wait_for("ready on", 120)
+        wait_for("ready on", timeout_s=120)
         with Client(f"127.0.0.1:{port}", timeout_s=60) as client:
             before = client.generate("The old lighthouse keeper", max_tokens=12, ignore_eos=True)
             killed = {name: _service_pid(proc.pid, name) for name in ("scheduler", "worker")}
             for pid in killed.values():
                 os.kill(pid, signal.SIGKILL)
-            assert "scheduler" in wait_for("restarting it in", 10) + wait_for("restarting it in", 10)
-            wait_for("restarted (pid", 15)
-            wait_for("restarted (pid", 15)
+            wait_for("nightjar: scheduler exited", "nightjar: worker exited", timeout_s=10)
+            wait_for("nightjar: scheduler restarted (pid", "nightjar: worker restarted (pid", timeout_s=15)
             for name, old in killed.items():
-                assert _service_pid(proc.pid, name) != old
+                try:
+                    assert _service_pid(proc.pid, name) != old
+                except LookupError:
+                    raise AssertionError(f"no {name} process after its restart:\n" + "".join(seen)) from None
             client.wait_ready(60)
             after = client.generate("The old lighthouse keeper", max_tokens=12, ignore_eos=True)
         assert after.token_ids == before.token_ids  # greedy: the restarted stack answers as before
