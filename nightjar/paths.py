@@ -66,7 +66,7 @@ def cpu_l3_kib(cache_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> 
             size = (index / "size").read_text().strip().upper()
         except OSError:
             continue
-        scale = {"K": 1, "M": 1024, "G": 1 << 20}.get(size[-1:], None)
+        scale = {"K": 1, "M": 1024, "G": 1 << 20}.get(size[-1:])
         digits = size[:-1] if scale else size
         if digits.isdigit():
             return int(digits) * (scale or 1)

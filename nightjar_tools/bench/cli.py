@@ -258,7 +258,7 @@ def render(payload: dict, wall_s: float | None = None) -> str:
             lines.append(f"| {g} | {row['tokens_per_s']:.1f} | {'–' if acc is None else f'{acc:.2f}'} |")
     if cal.get("recalibrated"):
         lines.append("\nRecalibrated before each repeat, req/s: " +
-                     ", ".join(f"{float(c):.3f}" for _, c in sorted(cal["recalibrated"].items(), key=lambda kv: int(kv[0]))) + ".")
+                     ", ".join(f"{c:.3f}" for _, c in sorted(cal["recalibrated"].items(), key=lambda kv: int(kv[0]))) + ".")
     for note in cal.get("notes", []):
         lines.append(f"\nNote: {note}")
     lines += ["", report.markdown_summary(payload["runs"]), report.markdown_goals(payload["goals"]),

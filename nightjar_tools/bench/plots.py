@@ -98,11 +98,11 @@ def _ratios(runs: list[dict], baseline: str, key: str) -> dict[tuple[str, str], 
             groups.setdefault((r["policy"], r["workload"]), []).append((r.get("repeat"), v))
     out = {}
     for (pol, wl), vals in groups.items():
-        base = groups.get((baseline, wl))
-        if base and sum(v for _, v in base) > 0:
-            mean = sum(v for _, v in base) / len(base)
+        base = groups.get((baseline, wl), [])
+        total = sum(v for _, v in base)
+        if total > 0:
             same = {rep: v for rep, v in base if rep is not None and v > 0}
-            out[(pol, wl)] = [v / same.get(rep, mean) for rep, v in vals]
+            out[(pol, wl)] = [v / same.get(rep, total / len(base)) for rep, v in vals]
     return out
 
 
@@ -110,9 +110,10 @@ def comparison_figure(runs: list[dict], baseline: str, title: str):
     """The figure of ``comparison_bars``: grouped bars per workload, every policy ÷ ``baseline``.
 
     ``runs`` are the raw runs, repeats included: a bar is the median of the paired ratios over
-    repeats (as in the goals table) and its whisker their min–max. Bars start at 1 (the baseline) and the y-axis is fitted to the
-    data, not to 0, so a ±10% difference is a tenth of the axis rather than a sliver on a bar of
-    height 1. The legend sits under the panels, never on a bar or the title.
+    repeats (as in the goals table) and its whisker their min–max. Bars start at 1 (the baseline)
+    and the y-axis is fitted to the data, not to 0, so a ±10% difference is a tenth of the axis
+    rather than a sliver on a bar of height 1. The legend sits under the panels, never on a bar
+    or the title.
     """
     workloads = list(dict.fromkeys(r["workload"] for r in runs))
     policies = list(dict.fromkeys(r["policy"] for r in runs))
