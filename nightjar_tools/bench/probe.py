@@ -112,6 +112,17 @@ def recording(steps: list[StepStats], source: str) -> dict:
             "draft_residency": [s.draft_residency for s in steps]}
 
 
+def steps_of(rec: dict) -> list[StepStats]:
+    """The steps a ``recording`` holds (its inverse, less each step's number and memory figures)."""
+    out = []
+    for i, (values, unix_ms, worker, residency) in enumerate(zip(rec["rows"], rec["unix_ms"], rec["worker_id"],
+                                                                 rec["draft_residency"])):
+        row = dict(zip(rec["fields"], values))
+        row["accepted_per_position"] = tuple(row["accepted_per_position"])
+        out.append(StepStats(worker_id=worker, step=i, unix_ms=unix_ms, draft_residency=residency, **row))
+    return out
+
+
 def summarize_steps(steps: list[StepStats], since_unix_ms: float = 0.0, load_until_unix_ms: float = math.inf) -> dict:
     """Per-run totals from the engine's step statistics (pure; ``steps`` in stream order), over
     the steps from ``since_unix_ms`` on (a closed loop's warm-up is left out). ``load_steps`` and
@@ -122,7 +133,7 @@ def summarize_steps(steps: list[StepStats], since_unix_ms: float = 0.0, load_unt
     out = {"steps": len(steps), "gamma_switches": 0, "load_steps": 0, "load_switches": 0, "offloads": 0, "reloads": 0,
            "acceptance": None, "accepted_per_step": None, "spec_step_share": 0.0, "catchup_tokens": 0, "catchup_ms": 0.0,
            "preempted": 0, "preempted_tokens": 0, "prefill_tokens": 0, "emitted_tokens": 0, "mean_batch": 0.0,
-           "mean_step_ms": 0.0, "acceptance_alarms": 0, "cells": {}}
+           "mean_step_ms": 0.0, "prefill_share": 0.0, "acceptance_alarms": 0, "cells": {}}
     if not steps:
         return out
     last_gamma: dict[str, int] = {}
@@ -161,6 +172,7 @@ def summarize_steps(steps: list[StepStats], since_unix_ms: float = 0.0, load_unt
         out["prefill_tokens"] += s.prefill_tokens
         out["emitted_tokens"] += s.emitted_tokens
         out["acceptance_alarms"] += int(s.acceptance_alarm)
+    out["prefill_share"] = _prefill_share(steps, out["cells"])
     decode = [s for s in steps if s.batch_size > 0]
     out["mean_batch"] = sum(s.batch_size for s in decode) / max(len(decode), 1)
     out["mean_step_ms"] = sum(s.step_ms for s in steps) / len(steps)
@@ -169,3 +181,26 @@ def summarize_steps(steps: list[StepStats], since_unix_ms: float = 0.0, load_unt
         out["acceptance"] = accepted / proposed  # share of drafted tokens the target kept
         out["accepted_per_step"] = accepted / max(sum(s.batch_size for s in decode if s.gamma > 0), 1)
     return out
+
+
+def _prefill_share(steps: list[StepStats], cells: dict[str, list]) -> float:
+    """The share of the engine's step time spent prefilling (prompts, and preempted sequences
+    again): a step that carries prefill tokens costs its time less what a pure decode step of its
+    (batch bucket, γ) cell costs in the same run, or of the nearest bucket at that γ; one of a γ
+    with no pure decode step counts whole, so the share is an upper estimate there. Under
+    overload it bounds what any γ policy can gain: γ only changes the rest."""
+    by_gamma: dict[int, list[tuple[int, float]]] = {}
+    for key, (n, ms, _tokens) in cells.items():
+        bucket, gamma = map(int, key.split("|"))
+        by_gamma.setdefault(gamma, []).append((bucket, ms / n))
+    total = sum(s.step_ms for s in steps)
+    prefill = 0.0
+    for s in steps:
+        if s.prefill_tokens == 0:
+            continue
+        decode_ms = 0.0
+        if s.batch_size and s.gamma in by_gamma:
+            bucket = DEFAULT_BUCKETS[bucket_index(DEFAULT_BUCKETS, s.batch_size)]
+            decode_ms = min(by_gamma[s.gamma], key=lambda c: abs(math.log(c[0] / bucket)))[1]
+        prefill += max(0.0, s.step_ms - decode_ms)
+    return prefill / total if total > 0 else 0.0

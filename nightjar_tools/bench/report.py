@@ -317,7 +317,8 @@ def _f(x: float | None, digits: int = 2, scale: float = 1.0) -> str:
 
 def markdown_runs(runs: list[dict]) -> str:
     head = ("| workload | policy | rep | ok/sent | tok/s | req/s | TTFT mean / p50 / p99 (s) | ITL mean / p50 / p99 (ms) "
-            "| e2e mean / p50 / p99 (s) | γ switches | offloads | acceptance | mean batch | load avg | speed probe (ms) |")
+            "| e2e mean / p50 / p99 (s) | γ switches | offloads | acceptance | mean batch | prefill share | load avg "
+            "| speed probe (ms) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in runs:
         e = r.get("engine") or {}
@@ -326,7 +327,7 @@ def markdown_runs(runs: list[dict]) -> str:
             f"| {r['workload']} | {r['policy']} | {r.get('repeat', 0) + 1} | {r['ok']}/{r['sent']} | {_f(r['tokens_per_s'], 1)} | {_f(r['requests_per_s'], 3)} "
             f"| {_f(t['mean'])} / {_f(t['p50'])} / {_f(t['p99'])} | {_f(i['mean'], 0, 1e3)} / {_f(i['p50'], 0, 1e3)} / {_f(i['p99'], 0, 1e3)} "
             f"| {_f(e2e['mean'])} / {_f(e2e['p50'])} / {_f(e2e['p99'])} | {e.get('gamma_switches', '–')} | {e.get('offloads', '–')} "
-            f"| {_f(e.get('acceptance'))} | {_f(e.get('mean_batch'), 1)} | {_f(r.get('loadavg_1m'), 1)} "
+            f"| {_f(e.get('acceptance'))} | {_f(e.get('mean_batch'), 1)} | {_f(e.get('prefill_share'))} | {_f(r.get('loadavg_1m'), 1)} "
             f"| {_f(r.get('speed_probe_ms'), 1)} |")
     return "\n".join(lines)
 
@@ -346,8 +347,8 @@ def markdown_summary(runs: list[dict]) -> str:
         rows = [r for r in runs if r["workload"] == wl]
         out += [f"**{wl}**", "",
                 "| policy | ok/sent | output tok/s | req/s | TTFT p50 (s) | ITL mean (ms) | e2e mean (s) | e2e p99 (s) "
-                "| γ switches | offloads | acceptance | mean batch |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| γ switches | offloads | acceptance | mean batch | prefill share |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for pol in dict.fromkeys(r["policy"] for r in rows):
             rs = [r for r in rows if r["policy"] == pol]
             eng = [r.get("engine") or {} for r in rs]
@@ -357,7 +358,7 @@ def markdown_summary(runs: list[dict]) -> str:
                 f"| {_mean_range([r['itl_s']['mean'] for r in rs], 0, 1e3)} | {_mean_range([r['e2e_s']['mean'] for r in rs], 2)} "
                 f"| {_mean_range([r['e2e_s']['p99'] for r in rs], 2)} | {_mean_range([e.get('gamma_switches') for e in eng], 0)} "
                 f"| {sum(e.get('offloads', 0) for e in eng)} | {_mean_range([e.get('acceptance') for e in eng], 2)} "
-                f"| {_mean_range([e.get('mean_batch') for e in eng], 1)} |")
+                f"| {_mean_range([e.get('mean_batch') for e in eng], 1)} | {_mean_range([e.get('prefill_share') for e in eng], 2)} |")
         out.append("")
     return "\n".join(out)
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import grpc
 import grpc.aio
@@ -20,8 +23,10 @@ from nightjar.v1 import inference_pb2 as pb
 from nightjar.v1 import inference_pb2_grpc as pb_grpc
 from nightjar_tools.bench import plots, report
 from nightjar_tools.bench.loadgen import LoadConfig, LoadResult, RequestRecord, run_load
-from nightjar_tools.bench.probe import StackProbe, recording, summarize_steps
+from nightjar_tools.bench.probe import StackProbe, recording, steps_of, summarize_steps
 from nightjar_tools.bench.workload import CONTEXT_TOKENS, LengthScale, PromptBank, Workload, build
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # --------------------------------------------------------------------------- workloads
 
@@ -197,16 +202,40 @@ def test_summarize_steps_counts_switches_offloads_and_acceptance():
     assert (s["preempted"], s["preempted_tokens"], s["prefill_tokens"]) == (2, 40, 65)
 
 
+def test_prefill_share_takes_a_mixed_step_less_its_cells_decode_cost():
+    decode = [_step(i, 2) for i in range(3)]  # batch 4, γ 2: 3 ms each
+    mixed = msgspec.structs.replace(_step(3, 2), prefill_tokens=64, step_ms=10.0)  # 7 ms of prefill
+    prefill_only = msgspec.structs.replace(_step(4, 0, batch=0, emitted=0), prefill_tokens=128, step_ms=5.0)
+    unseen_gamma = msgspec.structs.replace(_step(5, 4), prefill_tokens=32, step_ms=4.0)  # no pure decode at γ 4: whole
+    unseen_bucket = msgspec.structs.replace(_step(6, 2, batch=40), prefill_tokens=16, step_ms=6.0)  # γ 2's nearest: 3 ms
+    s = summarize_steps([*decode, mixed, prefill_only, unseen_gamma, unseen_bucket])
+    assert s["prefill_share"] == pytest.approx((7.0 + 5.0 + 4.0 + 3.0) / (9.0 + 10.0 + 5.0 + 4.0 + 6.0))
+    assert summarize_steps(decode)["prefill_share"] == 0.0
+
+
+def test_overload_bound_divides_the_baselines_cost_by_the_least_prefill_and_best_decode(tmp_path):
+    def run(policy, batch, gamma, decode_ms, mixed_ms, emitted):
+        steps = [msgspec.structs.replace(_step(i, gamma, batch=batch, emitted=emitted), step_ms=decode_ms) for i in range(20)]
+        steps.append(msgspec.structs.replace(_step(20, gamma, batch=batch, emitted=emitted), prefill_tokens=100,
+                                             step_ms=mixed_ms))
+        name = policy.replace(":", "_")
+        (tmp_path / f"{name}_burst.json").write_text(json.dumps(recording(steps, f"nightjar bench {policy} | burst, repeat 1")))
+
+    run("fixed:4", batch=4, gamma=4, decode_ms=10.0, mixed_ms=30.0, emitted=8)  # 1.25 ms/token; 20 ms of prefill
+    run("nightjar", batch=16, gamma=0, decode_ms=8.0, mixed_ms=20.0, emitted=16)  # 0.5 ms/token; 12 ms of prefill
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/overload_bound.py"), str(tmp_path)], capture_output=True,
+                         text=True, check=True, cwd=ROOT).stdout
+    # fixed:4 spends 230 ms on 168 tokens; the least prefill is 12 ms / 336 tokens, the best decode 0.5 ms/token.
+    assert f"- burst: {(230 / 168) / (12 / 336 + 0.5):.3f}" in out, out
+    assert "| burst | fixed:4 | 1 | 0.09 |" in out, out  # its prefill share: 20 of 230 ms
+
+
 def test_a_recording_gives_back_every_recorded_field_of_its_steps():
     steps = [_step(0, 2, accepted=(4, 2)), _step(1, 0, residency="offloaded"), _step(2, 0, batch=0, emitted=0)]
     steps[1] = msgspec.structs.replace(steps[1], preempted=3, preempted_tokens=90, step_ms=7.5)
     rec = json.loads(json.dumps(recording(steps, "test")))  # as saved to OUT/steps/
     assert {"step_ms", "preempted", "preempted_tokens"} <= set(rec["fields"]) and rec["draft_residency"][1] == "offloaded"
-    for step, values in zip(steps, rec["rows"], strict=True):
-        row = dict(zip(rec["fields"], values))
-        row["accepted_per_position"] = tuple(row["accepted_per_position"])
-        back = StepStats(worker_id=step.worker_id, step=step.step, unix_ms=step.unix_ms, draft_residency=step.draft_residency, **row)
-        assert back == step
+    assert steps_of(rec) == steps  # the steps' numbers are their places: 0, 1, 2
 
 
 # --------------------------------------------------------------------------- plots
