@@ -223,11 +223,12 @@ def test_overload_bound_divides_the_baselines_cost_by_the_least_prefill_and_best
 
     run("fixed:4", batch=4, gamma=4, decode_ms=10.0, mixed_ms=30.0, emitted=8)  # 1.25 ms/token; 20 ms of prefill
     run("nightjar", batch=16, gamma=0, decode_ms=8.0, mixed_ms=20.0, emitted=16)  # 0.5 ms/token; 12 ms of prefill
-    out = subprocess.run([sys.executable, str(ROOT / "scripts/overload_bound.py"), str(tmp_path)], capture_output=True,
-                         text=True, check=True, cwd=ROOT).stdout
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/overload_bound.py"), str(tmp_path), "--window", "burst=0:2"],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
     # fixed:4 spends 230 ms on 168 tokens; the least prefill is 12 ms / 336 tokens, the best decode 0.5 ms/token.
     assert f"- burst: {(230 / 168) / (12 / 336 + 0.5):.3f}" in out, out
-    assert "| burst | fixed:4 | 1 | 0.09 |" in out, out  # its prefill share: 20 of 230 ms
+    # Its prefill share, 20 of 230 ms; its 168 tokens all fall in the first 2 s.
+    assert "| burst | fixed:4 | 1 | 0.09 |" in out and "| 84.0 |" in out, out
 
 
 def test_a_recording_gives_back_every_recorded_field_of_its_steps():
