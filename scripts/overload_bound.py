@@ -41,7 +41,7 @@ def per_token(rec: dict, min_steps: int, window: tuple[float, float] | None) -> 
     if window and steps:
         t0, (a, b) = steps[0].unix_ms / 1000, window
         in_window = sum(x.emitted_tokens for x in steps if a <= x.unix_ms / 1000 - t0 < b) / (b - a)
-    total_ms = sum(row[rec["fields"].index("step_ms")] for row in rec["rows"])
+    total_ms = sum(x.step_ms for x in steps)
     tokens = max(s["emitted_tokens"], 1)
     prefill_ms = s["prefill_share"] * total_ms
     decode = (total_ms - prefill_ms) / tokens
