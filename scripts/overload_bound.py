@@ -23,14 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from collections import defaultdict
 from pathlib import Path
 
-from nightjar_tools.bench.probe import steps_of, summarize_steps
-
-SOURCE = re.compile(r"nightjar bench (?P<policy>\S+) \| (?P<workload>\S+), repeat (?P<repeat>\d+)$")
-
+from nightjar_tools.bench.probe import parse_bench_source, steps_of, summarize_steps
 
 def per_token(rec: dict, min_steps: int, window: tuple[float, float] | None) -> dict:
     """Prefill and decode ms per output token of one recorded run, its best pure decode cell, and
@@ -74,10 +70,11 @@ def main() -> None:
     runs: dict[str, list[tuple[str, int, dict]]] = defaultdict(list)
     for path in sorted(a.steps_dir.glob("*.json")):
         rec = json.loads(path.read_text())
-        m = SOURCE.match(rec.get("source", ""))
-        if m is None:
+        ran = parse_bench_source(rec.get("source", ""))
+        if ran is None:
             raise SystemExit(f"{path}: not a bench recording (source {rec.get('source')!r})")
-        runs[m["workload"]].append((m["policy"], int(m["repeat"]), per_token(rec, a.min_steps, windows.get(m["workload"]))))
+        policy, workload, repeat = ran
+        runs[workload].append((policy, repeat, per_token(rec, a.min_steps, windows.get(workload))))
     print("| workload | policy | repeat | prefill share | prefill ms/token | decode ms/token | best cell (bucket|γ) ms/token "
           "| tokens/s in the window |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")

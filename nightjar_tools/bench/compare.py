@@ -21,7 +21,7 @@ import numpy as np
 from nightjar import paths
 from nightjar_tools.bench import report
 from nightjar_tools.bench.loadgen import LoadConfig, LoadResult, model_info, run_load
-from nightjar_tools.bench.probe import StackProbe, recording, summarize_steps
+from nightjar_tools.bench.probe import StackProbe, bench_source, recording, summarize_steps
 from nightjar_tools.bench.workload import LengthScale, PromptBank, Workload, build
 from nightjar.keys import Keys
 from nightjar.messages import Policy, PolicyHold, StepStats
@@ -610,7 +610,7 @@ async def _one_policy(cmp: Comparison, cfg: CompareConfig, policy: str, rep: int
             if seen is not None:
                 (cfg.out_dir / "steps").mkdir(parents=True, exist_ok=True)
                 (cfg.out_dir / "steps" / f"{safe}_{plan.spec.replace('@', '-').replace(':', '_')}.json").write_text(
-                    json.dumps(recording(seen, f"nightjar bench {policy} | {plan.spec}, repeat {rep + 1}")))
+                    json.dumps(recording(seen, bench_source(policy, plan.spec, rep + 1))))
             run = report.summarize_workload(result, steps, wl)
             # The machine is shared: its load average says how noisy this run's figures are.
             run.update(policy=policy, kind=plan.kind, repeat=rep, loadavg_1m=os.getloadavg()[0], speed_probe_ms=speed,

@@ -11,6 +11,7 @@ included (``connect_redis``).
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 
 from nightjar.keys import Keys
@@ -110,6 +111,20 @@ def recording(steps: list[StepStats], source: str) -> dict:
     return {"source": source, "fields": list(RECORDING_FIELDS), "rows": rows,
             "unix_ms": [s.unix_ms for s in steps], "worker_id": [s.worker_id for s in steps],
             "draft_residency": [s.draft_residency for s in steps]}
+
+
+def bench_source(policy: str, workload: str, repeat: int) -> str:
+    """A ``nightjar bench`` recording's source: what ran, and in which repeat (1-based)."""
+    return f"nightjar bench {policy} | {workload}, repeat {repeat}"
+
+
+def parse_bench_source(source: str) -> tuple[str, str, int] | None:
+    """(policy, workload, repeat) of a ``bench_source``; None for any other source."""
+    m = _BENCH_SOURCE.match(source)
+    return (m["policy"], m["workload"], int(m["repeat"])) if m else None
+
+
+_BENCH_SOURCE = re.compile(r"nightjar bench (?P<policy>\S+) \| (?P<workload>\S+), repeat (?P<repeat>\d+)$")
 
 
 def steps_of(rec: dict) -> list[StepStats]:

@@ -23,7 +23,7 @@ from nightjar.v1 import inference_pb2 as pb
 from nightjar.v1 import inference_pb2_grpc as pb_grpc
 from nightjar_tools.bench import plots, report
 from nightjar_tools.bench.loadgen import LoadConfig, LoadResult, RequestRecord, run_load
-from nightjar_tools.bench.probe import StackProbe, recording, steps_of, summarize_steps
+from nightjar_tools.bench.probe import StackProbe, bench_source, parse_bench_source, recording, steps_of, summarize_steps
 from nightjar_tools.bench.workload import CONTEXT_TOKENS, LengthScale, PromptBank, Workload, build
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -219,7 +219,7 @@ def test_overload_bound_divides_the_baselines_cost_by_the_least_prefill_and_best
         steps.append(msgspec.structs.replace(_step(20, gamma, batch=batch, emitted=emitted), prefill_tokens=100,
                                              step_ms=mixed_ms))
         name = policy.replace(":", "_")
-        (tmp_path / f"{name}_burst.json").write_text(json.dumps(recording(steps, f"nightjar bench {policy} | burst, repeat 1")))
+        (tmp_path / f"{name}_burst.json").write_text(json.dumps(recording(steps, bench_source(policy, "burst", 1))))
 
     run("fixed:4", batch=4, gamma=4, decode_ms=10.0, mixed_ms=30.0, emitted=8)  # 1.25 ms/token; 20 ms of prefill
     run("nightjar", batch=16, gamma=0, decode_ms=8.0, mixed_ms=20.0, emitted=16)  # 0.5 ms/token; 12 ms of prefill
@@ -237,6 +237,8 @@ def test_a_recording_gives_back_every_recorded_field_of_its_steps():
     rec = json.loads(json.dumps(recording(steps, "test")))  # as saved to OUT/steps/
     assert {"step_ms", "preempted", "preempted_tokens"} <= set(rec["fields"]) and rec["draft_residency"][1] == "offloaded"
     assert steps_of(rec) == steps  # the steps' numbers are their places: 0, 1, 2
+    assert parse_bench_source(bench_source("fixed:4", "poisson:0.3", 2)) == ("fixed:4", "poisson:0.3", 2)
+    assert parse_bench_source("test") is None
 
 
 # --------------------------------------------------------------------------- plots
