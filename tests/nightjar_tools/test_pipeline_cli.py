@@ -29,9 +29,13 @@ def test_serve_flags_build_a_validated_config(tmp_path):
     with pytest.raises(SystemExit):  # argparse error naming the flag
         stack_config(p.parse_args(["--workers", "0"]), p)
     assert stack_config(p.parse_args(["--dtype", "bfloat16"]), p).worker_args == ("--device", "cpu", "--dtype", "bfloat16")
-    for bad in (["--device", "tpu"], ["--dtype", "int8"]):
+    for bad in (["--device", "tpu"], ["--dtype", "int8"], ["--dtype", "bfloat16", "--prefill-dtype", "bfloat16"]):
         with pytest.raises(SystemExit):
             stack_config(p.parse_args(bad), p)
+    from worker.engine.linear import can_bf16
+
+    if can_bf16():
+        assert stack_config(p.parse_args(["--prefill-dtype", "bfloat16"]), p).worker_args[-2:] == ("--prefill-dtype", "bfloat16")
     import torch
 
     if not torch.cuda.is_available():  # said before any service starts, not from a worker's log
@@ -128,6 +132,7 @@ def test_the_planner_starts_from_the_surface_shipped_for_the_model_on_cpu(tmp_pa
     ("scheduler_svc.__main__", ["--max-deliveries", "9"], "max_deliveries", 9),
     ("worker.__main__", ["--no-draft", "--max-running", "8"], "engine.draft_path", None),
     ("worker.__main__", ["--no-draft", "--max-running", "8"], "engine.max_running", 8),
+    ("worker.__main__", ["--no-draft"], "engine.prefill_dtype", "float32"),
 ])
 def test_each_service_parses_its_flags(service, argv, field, value, monkeypatch):
     import importlib
@@ -141,10 +146,14 @@ def test_each_service_parses_its_flags(service, argv, field, value, monkeypatch)
 
 def test_bad_flags_say_how_to_fix_them(capsys):
     from gateway.__main__ import parse_config
+    from worker.__main__ import parse_config as worker_config
 
     with pytest.raises(SystemExit):
         parse_config(["--redis-url", "http://x"])
     assert "redis://" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # bf16 prefill is the float32 CPU engine's
+        worker_config(["--dtype", "bfloat16", "--prefill-dtype", "bfloat16"])
+    assert "prefill_dtype" in capsys.readouterr().err
 
 
 @pytest.mark.slow

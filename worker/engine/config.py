@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from worker.engine.linear import can_bf16
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -21,6 +23,9 @@ class EngineConfig:
     max_running: int = 64  # sequences decoded together at most
     max_batched_tokens: int = 512  # tokens fed to the target per step (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + completion cap; None = the model's max positions
+    # prompt rows' matmuls on the CPU: "bfloat16" runs them on a bf16 copy of the target's weights (AMX),
+    # several times faster; the inputs' rounding moves logits off transformers' fp32 (worker/engine/linear.py)
+    prefill_dtype: str = "float32"
     gamma_max: int = 6  # largest speculation depth a policy may ask for
     default_gamma: int = 0  # γ used until set_gamma_policy is called (clamped to 0 without a draft)
     watermark: float = 0.01  # share of KV blocks kept free at admission, so running work can grow
@@ -43,6 +48,11 @@ class EngineConfig:
             raise bad("draft_path", f"{self.draft_path!r} has no config.json; pass a checkpoint folder or None")
         if self.dtype not in DTYPES:
             raise bad("dtype", f"{self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.prefill_dtype not in ("float32", "bfloat16"):
+            raise bad("prefill_dtype", f"{self.prefill_dtype!r} is not float32 or bfloat16")
+        if self.prefill_dtype == "bfloat16" and not (self.device == "cpu" and self.dtype == "float32" and can_bf16()):
+            raise bad("prefill_dtype", "bfloat16 prefill is a CPU float32 engine's option, and needs oneDNN's native "
+                      "bf16 path (AMX or AVX512-BF16); this engine or CPU has neither")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise bad("device", f"{self.device!r}: use 'cpu' or 'cuda[:N]'")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -60,7 +60,8 @@ class Engine:
         dtype = cfg.torch_dtype
         # The target's weights never move, so on CPU they are packed once (worker/engine/linear.py);
         # the draft stays in plain tensors so the mover can offload it.
-        target = LlamaModel.from_folder(cfg.target_path, dtype, cfg.device, packed=can_pack(torch.device(cfg.device), dtype))
+        target = LlamaModel.from_folder(cfg.target_path, dtype, cfg.device, packed=can_pack(torch.device(cfg.device), dtype),
+                                        prefill_bf16=cfg.prefill_dtype == "bfloat16")
         draft = LlamaModel.from_folder(cfg.draft_path, dtype, cfg.device) if cfg.draft_path else None
         bpb = ModelRunner.bytes_per_block(target, cfg.block_size)
         if draft is not None:  # both pools get the same block count: the draft never runs out first
@@ -195,7 +196,8 @@ class Engine:
                 for s, d in zip(batch.decode, drafts)]
         for s, chunk in batch.prefill:
             end = s.num_computed + chunk
-            runs.append(Run(s.token_ids[s.num_computed:end], s.num_computed, s.block_table, int(end == s.num_tokens)))
+            runs.append(Run(s.token_ids[s.num_computed:end], s.num_computed, s.block_table, int(end == s.num_tokens),
+                            prompt=True))
         return self.runner.forward(runs)
 
     def _accept(self, batch: ScheduledBatch, prop: Proposal | None, logits: torch.Tensor, rp: RowParams,

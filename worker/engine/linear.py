@@ -11,6 +11,12 @@ target's matrices are packed once, and a step's few rows read each packed weight
 - ``onednn``: oneDNN's inner product with the weight reordered once into its blocked layout; flat
   to ~4 rows, the fallback for a matrix the panel kernel cannot take.
 
+Prompt rows are many and compute-bound, and fp32 runs them at ~150 GFLOP/s of one core, so a
+prompt token costs more than half a batch-64 decode token; on a GPU it costs a few percent.
+``pack_bf16`` / ``bf16_linear`` give them oneDNN's bf16 inner product (AMX where the CPU has it,
+fp32 accumulation, 6-8x the fp32 rate at 64+ rows): an engine option (EngineConfig.prefill_dtype)
+because rounding to bf16 moves the logits off transformers' fp32 ones (BENCHMARKS.md, "bf16 prefill").
+
 CUDA keeps F.linear.
 """
 
@@ -23,12 +29,19 @@ import torch
 from worker.engine import kernels
 
 PANEL = 16  # columns per panel, the kernel's NR
-# oneDNN picks the blocked layout for this row-count hint; decode and verify passes are mostly few rows.
+# oneDNN picks the blocked layout for this row-count hint; decode and verify passes are mostly few rows,
+# prompt chunks many.
 PACK_ROWS_HINT = 16
+PREFILL_ROWS_HINT = 256
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def can_bf16() -> bool:
+    """oneDNN has a native bf16 path on this CPU (AMX or AVX512-BF16), not an emulated one."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -55,6 +68,26 @@ def pack(w: torch.Tensor, kind: str = "auto") -> torch.Tensor:
             raise ValueError(f"panel packing needs the kernel and out % {PANEL} == 0 (out = {n})")
         return w.view(n // PANEL, PANEL, k).transpose(1, 2).contiguous()  # [N/16, K, 16]
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS_HINT)
+
+
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """w: [out, in] fp32 CPU -> bf16 in oneDNN's blocked layout for many rows (opaque, [out, in])."""
+    if not can_pack(w.device, w.dtype) or w.dim() != 2:
+        raise ValueError(f"pack_bf16 takes a 2-D fp32 CPU weight, got {w.dtype} {tuple(w.shape)} on {w.device}")
+    return torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16).contiguous(), PREFILL_ROWS_HINT)
+
+
+def bf16_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [N, in] fp32, w: pack_bf16's [out, in] -> fp32 x @ w^T (+ add) -> [N, out]. x and the product
+    are rounded to bf16 (oneDNN accumulates in fp32 but has no fp32 output for bf16 inputs); add is
+    added after, in fp32, so the residual stream keeps its precision."""
+    n = x.shape[0]
+    rows = padded_rows(n)
+    xb = x.to(torch.bfloat16)  # [N, in]
+    if rows != n:
+        xb = torch.cat([xb, xb.new_zeros(rows - n, xb.shape[1])])  # [rows, in]
+    y = torch.ops.mkldnn._linear_pointwise(xb, w, None, "none", [], "")[:n].float()  # [N, out]
+    return y if add is None else y.add_(add)
 
 
 def padded_rows(n: int) -> int:

@@ -16,8 +16,11 @@ import torch.nn.functional as F
 
 from worker.engine import attention
 from worker.engine.kv_cache import AttnGroup, KVCache, PagedBatch
-from worker.engine.linear import can_pack, pack, packed_linear
+from worker.engine.linear import bf16_linear, can_bf16, can_pack, pack, pack_bf16, packed_linear
 from worker.engine.loader import ModelConfig, fused_weights, load_config, load_state_dict
+
+
+BF16_MIN_ROWS = 16  # prompt rows beside decode rows that justify reading the bf16 copy too
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -46,16 +49,22 @@ class LlamaModel:
       gate_up [2I, D], down [D, I]. On CPU the matrices (head included) are stored either packed
       (``packed``: a model whose weights stay put, see worker/engine/linear.py) or transposed,
       [in, out] (``t_layout``: a draft that the mover offloads as plain tensors).
+      ``prefill_bf16`` adds a bf16 copy of each layer's matrices (``wb``) for prompt rows.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device: str | torch.device,
-                 packed: bool = False) -> None:
-        """packed: store the matrices packed for worker/engine/linear.py (CPU fp32 only; the model cannot move then)."""
+                 packed: bool = False, prefill_bf16: bool = False) -> None:
+        """packed: store the matrices packed for worker/engine/linear.py (CPU fp32 only; the model cannot move then).
+        prefill_bf16: also keep bf16 copies, and run the rows from ``forward``'s ``prefill_from`` on them."""
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.w = weights
         if packed and not can_pack(self.device, dtype):
             raise ValueError(f"packed weights need fp32 on a CPU with oneDNN, not {dtype} on {self.device}")
         self.packed = packed
+        if prefill_bf16 and not (packed and can_bf16()):
+            raise ValueError("bf16 prefill needs packed fp32 weights on a CPU whose oneDNN has a native bf16 path")
+        self.wb = [{k: pack_bf16(layer[k]) for k in ("qkv", "o", "gate_up", "down")}
+                   for layer in weights["layers"]] if prefill_bf16 else None
         self.paged_attention = attention.usable(self.device, dtype, cfg.head_dim)
         # Otherwise on CPU, x @ W^T with W^T stored contiguous ([in, out]) beats F.linear on
         # [out, in] at small row counts with MKL; the layout is kept across to_device moves.
@@ -72,9 +81,9 @@ class LlamaModel:
 
     @classmethod
     def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                    packed: bool = False) -> "LlamaModel":
+                    packed: bool = False, prefill_bf16: bool = False) -> "LlamaModel":
         cfg = load_config(folder)
-        return cls(cfg, fused_weights(cfg, load_state_dict(folder), dtype, device), dtype, device, packed)
+        return cls(cfg, fused_weights(cfg, load_state_dict(folder), dtype, device), dtype, device, packed, prefill_bf16)
 
     # ------------------------------------------------------------------ weights residency
 
@@ -85,6 +94,8 @@ class LlamaModel:
             out.append(self.w["head"])
         for layer in self.w["layers"]:
             out.extend(t for t in layer.values() if t is not None)
+        for layer in self.wb or []:
+            out.extend(layer.values())
         return out
 
     @property
@@ -123,10 +134,13 @@ class LlamaModel:
         self._rope_len = n
         self._half = half
 
-    def forward(self, input_ids: torch.Tensor, pb: PagedBatch, kv: KVCache, logit_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids: [N] new tokens in flat order; returns float32 logits [R] rows -> [R, V]."""
+    def forward(self, input_ids: torch.Tensor, pb: PagedBatch, kv: KVCache, logit_rows: torch.Tensor,
+                prefill_from: int | None = None) -> torch.Tensor:
+        """input_ids: [N] new tokens in flat order, prompt tokens (if any) from row ``prefill_from`` on;
+        returns float32 logits [R] rows -> [R, V]."""
         c, w = self.cfg, self.w
         n = input_ids.shape[0]
+        split = self._bf16_split(n, prefill_from)
         h_, k_, d = c.num_heads, c.num_kv_heads, c.head_dim
         self._ensure_rope(pb.max_position + 1)
         cos = self.cos[pb.positions].unsqueeze(1)  # [N, 1, d]
@@ -135,8 +149,9 @@ class LlamaModel:
         x = w["embed"][input_ids]  # [N, D]
         k_layers, v_layers = kv.k.unbind(0), kv.v.unbind(0)  # one op each instead of one per layer
         for li, lw in enumerate(w["layers"]):
+            lb = self.wb[li] if split is not None else {}
             hn = F.rms_norm(x, (x.shape[-1],), lw["ln1"], eps)
-            qkv = self._lin(hn, lw["qkv"], lw["qkv_bias"])  # [N, (H + 2K) * d]
+            qkv = self._lin(hn, lw["qkv"], lw["qkv_bias"], lb.get("qkv"), split)  # [N, (H + 2K) * d]
             qk = qkv[:, : (h_ + k_) * d].view(n, h_ + k_, d)
             qk = torch.addcmul(qk * cos, torch.roll(qk, self._half, -1), sin)  # RoPE on q and k at once
             vv = qkv[:, (h_ + k_) * d:].view(n, k_, d)
@@ -148,16 +163,30 @@ class LlamaModel:
                 o = self._attend(pb.groups[0], qq, kc, vc, pb.positions)
             else:
                 o = torch.cat([self._attend(g, qq[g.start:g.end], kc, vc, pb.positions) for g in pb.groups])
-            x = self._lin(o, lw["o"], x)  # x + o @ Wo in one op
+            x = self._lin(o, lw["o"], x, lb.get("o"), split)  # x + o @ Wo in one op
             hn = F.rms_norm(x, (x.shape[-1],), lw["ln2"], eps)
-            gu = self._lin(hn, lw["gate_up"])  # [N, 2I]
+            gu = self._lin(hn, lw["gate_up"], None, lb.get("gate_up"), split)  # [N, 2I]
             g, u = gu.chunk(2, -1)
-            x = self._lin(F.silu(g) * u, lw["down"], x)
+            x = self._lin(F.silu(g) * u, lw["down"], x, lb.get("down"), split)
         x = F.rms_norm(x.index_select(0, logit_rows), (x.shape[-1],), w["norm"], eps)
         return self._lin(x, w["head"]).float()  # [R, V]
 
-    def _lin(self, x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W (+ add: a bias [out] or a residual [N, out], fused into the matmul on CPU)."""
+    def _bf16_split(self, n: int, prefill_from: int | None) -> int | None:
+        """First row run in bf16, or None for all fp32. Beside decode rows, a few prompt rows cost less
+        on the fp32 weights already being read than a second pass over the bf16 copy."""
+        if self.wb is None or prefill_from is None or prefill_from >= n:
+            return None
+        return prefill_from if prefill_from == 0 or n - prefill_from >= BF16_MIN_ROWS else None
+
+    def _lin(self, x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None,
+             wb: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
+        """x @ W (+ add: a bias [out] or a residual [N, out], fused into the matmul on CPU); rows from
+        ``split`` on use wb, W's bf16 copy."""
+        if split is not None:
+            if split == 0:
+                return bf16_linear(x, wb, add)
+            lo, hi = (add, add) if add is None or add.dim() == 1 else (add[:split], add[split:])
+            return torch.cat([packed_linear(x[:split], w, lo), bf16_linear(x[split:], wb, hi)])  # [N, out]
         if self.packed:
             return packed_linear(x, w, add)
         if not self.t_layout:

@@ -23,6 +23,7 @@ class Run:
     start: int  # position of tokens[0] (= tokens already in this model's KV)
     table: list[int]  # the sequence's block table in this model's pool
     n_logits: int  # logits wanted for the last n_logits tokens (0 = none)
+    prompt: bool = False  # a prefill chunk; prompt runs come after every other run
 
 
 class ModelRunner:
@@ -43,8 +44,13 @@ class ModelRunner:
         dev = self.model.device
         flat: list[int] = []
         rows: list[int] = []
+        prefill_from = None
         for r in runs:
             base = len(flat)
+            if r.prompt and prefill_from is None:
+                prefill_from = base
+            elif prefill_from is not None and not r.prompt:
+                raise ValueError("ModelRunner.forward: a decode run after a prompt run")
             flat.extend(r.tokens)
             rows.extend(range(base + len(r.tokens) - r.n_logits, base + len(r.tokens)))
         if not rows:  # a pure KV fill: still compute one row so the forward's shape is static
@@ -52,4 +58,4 @@ class ModelRunner:
         pb = build_paged_batch([r.start for r in runs], [len(r.tokens) for r in runs], [r.table for r in runs],
                                self.block_size, dev)
         ids = torch.tensor(flat, dtype=torch.long, device=dev)
-        return self.model.forward(ids, pb, self.kv, torch.tensor(rows, dtype=torch.long, device=dev))
+        return self.model.forward(ids, pb, self.kv, torch.tensor(rows, dtype=torch.long, device=dev), prefill_from)

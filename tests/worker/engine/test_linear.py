@@ -114,3 +114,62 @@ def test_row_counts_are_bucketed_with_little_waste():
     assert sizes[:16] == list(range(1, 17))  # decode and verify row counts run exactly
     assert all(n <= p <= n + n / 8 for n, p in enumerate(sizes, 1))  # at most 1/8 of the rows wasted
     assert sizes == sorted(sizes) and len(set(sizes)) <= 64  # few kernels compiled, for good
+
+
+BF16 = pytest.mark.skipif(not linear.can_bf16(), reason="oneDNN has no native bf16 path on this CPU")
+
+
+@BF16
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 100, 257, 512])
+def test_bf16_linear_differs_from_f_linear_only_by_bf16_rounding(rows):
+    torch.manual_seed(rows)
+    w = torch.randn(96, 64) * 0.1
+    x = torch.randn(rows, 64)
+    resid, bias = torch.randn(rows, 96) * 100, torch.randn(96) * 100
+    wb = linear.pack_bf16(w)
+    ref = F.linear(x.bfloat16().float(), w.bfloat16().float())  # fp32 product of the rounded inputs
+    tol = 2.0 ** -8 * ref.abs() + 1e-5 * ref.abs().max()  # [N, 96]: the product rounded once to bf16
+    assert ((linear.bf16_linear(x, wb) - ref).abs() <= tol).all()
+    # a residual or bias is added after, in fp32: rounding it (|add| ~ 100) would cost far more than tol
+    assert ((linear.bf16_linear(x, wb, resid) - (ref + resid)).abs() <= tol + 1e-5 * resid.abs()).all()
+    assert ((linear.bf16_linear(x, wb, bias) - (ref + bias)).abs() <= tol + 1e-5 * bias.abs()).all()
+    assert (linear.bf16_linear(x, wb) - F.linear(x, w)).abs().max().item() > 0  # it did round
+
+
+@BF16
+def test_bf16_prefill_runs_only_the_prompt_rows_in_bf16():
+    from worker.engine.runner import ModelRunner, Run
+    from tests.conftest import random_models
+
+    path = random_models()["llama-target"]
+    fp32 = LlamaModel.from_folder(path, packed=True)
+    bf16 = LlamaModel.from_folder(path, packed=True, prefill_bf16=True)
+    assert bf16.weight_bytes > fp32.weight_bytes  # the bf16 copy is counted
+    torch.manual_seed(0)
+    vocab = fp32.cfg.vocab_size
+
+    def logits(model, prompt_len):
+        runner = ModelRunner(model, 16, 16, 0.0)
+        decode = [Run(torch.randint(vocab, (9,)).tolist(), 0, [0], 3), Run(torch.randint(vocab, (9,)).tolist(), 0, [1], 3)]
+        prompt = Run(torch.randint(vocab, (prompt_len,)).tolist(), 0, list(range(2, 2 + -(-prompt_len // 16))), 1,
+                     prompt=True)
+        return runner.forward(decode + [prompt])  # [7, V]: 3 + 3 decode rows, then the prompt's last
+
+    for prompt_len, prompt_rounded in ((40, True), (linear_model_min_rows() - 1, False)):
+        torch.manual_seed(prompt_len)
+        want = logits(fp32, prompt_len)
+        torch.manual_seed(prompt_len)
+        got = logits(bf16, prompt_len)
+        tol = 1e-4 * max(1.0, want.abs().max().item())
+        assert (got[:6] - want[:6]).abs().max().item() <= tol  # decode rows: the fp32 path, untouched
+        diff = (got[6] - want[6]).abs().max().item()
+        assert (diff > tol) == prompt_rounded  # a few prompt rows beside decode rows stay on the fp32 weights
+        assert diff <= 0.05 * max(1.0, want.abs().max().item())
+    with pytest.raises(ValueError, match="decode run after a prompt run"):
+        ModelRunner(bf16, 4, 16, 0.0).forward([Run([1, 2], 0, [0], 1, prompt=True), Run([3], 0, [1], 1)])
+
+
+def linear_model_min_rows() -> int:
+    from worker.engine.model import BF16_MIN_ROWS
+
+    return BF16_MIN_ROWS
