@@ -5,7 +5,10 @@
 
 1. One prompt chunk of each length through the packed target, ``prefill_dtype`` float32 and
    bfloat16 alternating, best of ``--repeats``: ms per prompt token, and the ratio.
-2. Fidelity on held-out prompts (models/prompts.jsonl): the last prompt position's logits (max
+2. A step of 16 decode rows with k prompt rows beside them: all on the fp32 weights, or the k
+   prompt rows on the bf16 copy (a second pass over the weights), which is where the engine's
+   ``BF16_MIN_ROWS`` comes from.
+3. Fidelity on held-out prompts (models/prompts.jsonl): the last prompt position's logits (max
    |difference| and top-1 agreement), and greedy completions through the engine (EOS ignored):
    how many are identical and how long the common prefix is.
 
@@ -30,6 +33,7 @@ from nightjar import paths  # noqa: E402
 from nightjar.messages import SamplingParams  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine.engine import Engine, EngineRequest  # noqa: E402
+from worker.engine import model as model_mod  # noqa: E402
 from worker.engine.model import LlamaModel  # noqa: E402
 from worker.engine.runner import ModelRunner, Run  # noqa: E402
 
@@ -45,6 +49,19 @@ def prefill_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     runner = ModelRunner(model, -(-len(ids) // 16), 16, 0.0)
     table = list(range(runner.blocks.num_blocks))
     return runner.forward([Run(ids, 0, table, 1, prompt=True)])[0]
+
+
+def mixed_step_ms(model: LlamaModel, prompt_rows: int, repeats: int, decode: int = 16) -> float:
+    """Best time of one forward: ``decode`` 1-token decode runs at position 64, then one prompt chunk."""
+    runner = ModelRunner(model, decode * 5 + -(-prompt_rows // 16), 16, 0.0)
+    runs = [Run([7], 64, list(range(i * 5, i * 5 + 5)), 1) for i in range(decode)]
+    runs.append(Run(list(range(10, 10 + prompt_rows)), 0, list(range(decode * 5, runner.blocks.num_blocks)), 1, prompt=True))
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first call builds oneDNN's kernel for this row count
+        t = time.perf_counter()
+        runner.forward(runs)
+        best = min(best, (time.perf_counter() - t) * 1e3)
+    return best
 
 
 def greedy(eng: Engine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
@@ -91,6 +108,16 @@ def main() -> int:
                     prefill_logits(m, ids)
                     best[d] = min(best[d], (time.perf_counter() - t) * 1e3 / n)
             print(f"| {n} | {best['float32']:.3f} | {best['bfloat16']:.3f} | {best['float32'] / best['bfloat16']:.2f}× |")
+
+        print(f"\n## 16 decode rows and k prompt rows in one step, ms (best of {a.repeats})\n")
+        print("| k | all fp32 | prompt rows in bf16 | bf16 ÷ fp32 |\n|---|---|---|---|")
+        min_rows, model_mod.BF16_MIN_ROWS = model_mod.BF16_MIN_ROWS, 1  # split at every k
+        try:
+            for k in (2, 4, 8, 16, 32, 64, 128):
+                f32, split = (mixed_step_ms(models[d], k, a.repeats) for d in ("float32", "bfloat16"))
+                print(f"| {k} | {f32:.2f} | {split:.2f} | {split / f32:.2f} |")
+        finally:
+            model_mod.BF16_MIN_ROWS = min_rows
 
         prompts = prompt_ids(tok, a.prompts, max_tokens=256)
         diffs, same_top = [], 0

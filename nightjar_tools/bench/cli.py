@@ -85,10 +85,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-model", type=Path, default=paths.DEFAULT_DRAFT,
                    help="the workers' draft model folder (--draft-share is of its weights)")
     p.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker (1 avoids OpenMP stalls on a busy machine)")
+    p.add_argument("--prefill-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="the CPU workers' prompt matmuls (nightjar serve --prefill-dtype); default float32, with "
+                        "--headline bfloat16 where the CPU has a native bf16 path (AMX or AVX512-BF16)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker argument (repeatable), e.g. --worker-arg=--max-running=32")
     p.add_argument("--planner-arg", action="append", default=[], help="extra planner argument (repeatable)")
     add_prior_surface_arg(p)
     p.add_argument("--capacity-rps", type=float, default=None, help="skip the capacity probe")
+    p.add_argument("--max-requests", type=int, default=2000,
+                   help="requests per open-loop workload at most; a trace with more loses its tail (the log says so)")
     p.add_argument("--calibration", type=Path, default=None,
                    help="reuse the capacity and γ of an earlier results.json (skips both probes)")
     p.add_argument("--fixed-gamma", type=int, default=None, help="skip the batch-1 γ probe (quick mode uses 3)")
@@ -166,13 +171,16 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
             p.error(str(exc))
     worker = argparse.ArgumentParser(add_help=False)
     worker.add_argument("--device", default="cpu")
-    prior = prior_surface(a.prior_surface, a.target_model, worker.parse_known_args(a.worker_arg)[0].device)
+    device = worker.parse_known_args(a.worker_arg)[0].device
+    prior = prior_surface(a.prior_surface, a.target_model, device)
+    worker_args = tuple(a.worker_arg) + _prefill_args(a, p, device)
     try:
         cfg = CompareConfig(policies=policies, workloads=workloads, out_dir=out, seed=a.seed, scale=scale,
                             drain_timeout_s=a.drain_timeout_s or (15.0 if a.quick else 20.0), kv_budget_bytes=kv_budget,
-                            worker_args=tuple(a.worker_arg), planner_args=tuple(a.planner_arg), prior_surface=prior,
+                            worker_args=worker_args, planner_args=tuple(a.planner_arg), prior_surface=prior,
                             target_model=a.target_model, draft_model=a.draft_model,
-                            worker_threads=a.worker_threads, capacity_rps=capacity, fixed_gamma=fixed_gamma,
+                            worker_threads=a.worker_threads, capacity_rps=capacity, max_requests=a.max_requests,
+                            fixed_gamma=fixed_gamma,
                             capacity_probe_s=12.0 if a.quick else 20.0, repeats=a.repeats, progress=not a.no_progress,
                             oracle=a.oracle or a.headline, recalibrate=a.recalibrate, record=a.record)
     except ValueError as exc:
@@ -193,6 +201,16 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
     print(md)
     print(f"bench: results in {out}", file=sys.stderr)
     return 0
+
+
+def _prefill_args(a: argparse.Namespace, p: argparse.ArgumentParser, device: str) -> tuple[str, ...]:
+    from worker.engine.linear import can_bf16
+
+    native = device == "cpu" and can_bf16()
+    choice = a.prefill_dtype or ("bfloat16" if a.headline and native else "float32")
+    if choice == "bfloat16" and not native:
+        p.error("--prefill-dtype bfloat16 needs CPU workers on a CPU with AMX or AVX512-BF16")
+    return ("--prefill-dtype=bfloat16",) if choice == "bfloat16" else ()
 
 
 def merge_payloads(payloads: list[dict]) -> dict:
@@ -310,7 +328,7 @@ def _against_running(a: argparse.Namespace, p: argparse.ArgumentParser, scale, o
 
     async def go() -> None:
         for plan in workloads:
-            wl = build(plan.spec, a.capacity_rps, plan.duration_s, seed=a.seed, scale=scale)
+            wl = build(plan.spec, a.capacity_rps, plan.duration_s, seed=a.seed, scale=scale, max_requests=a.max_requests)
             probe = StackProbe(a.redis_url, a.key_prefix) if a.redis_url else None
             if probe:
                 await probe.start()

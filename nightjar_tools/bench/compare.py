@@ -76,6 +76,7 @@ class CompareConfig:
     # "Figures that were code comments").
     worker_threads: int = 1
     capacity_rps: float | None = None  # skip the capacity probe
+    max_requests: int = 2000  # per open-loop workload; a trace with more arrivals loses its tail (logged)
     fixed_gamma: int | None = None  # skip the batch-1 γ probe
     gamma_probe_tokens: int = 32
     gamma_probe_requests: int = 8  # single requests per γ, on the same prompts for every γ (3 ranked γ by noise)
@@ -100,6 +101,8 @@ class CompareConfig:
             raise ValueError("give at least one --policies entry")
         if not self.workloads:
             raise ValueError("give at least one --workloads entry")
+        if self.max_requests < 1:
+            raise ValueError(f"--max-requests must be >= 1, got {self.max_requests}")
         if self.gamma_probe_requests < 1:
             raise ValueError(f"gamma_probe_requests must be >= 1, got {self.gamma_probe_requests}")
         if self.capacity_rps is not None and not self.capacity_rps > 0:
@@ -536,7 +539,8 @@ async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
             cal.setdefault("recalibration_probes", {})[str(rep)] = again["capacity_probe"]
             log(f"repeat {rep + 1}: capacity {cap:.3f} req/s")
         if rep == 0 or cfg.recalibrate:
-            workloads = [build(w.spec, cap, w.duration_s, seed=cfg.seed, scale=cfg.scale) for w in cfg.workloads]
+            workloads = [build(w.spec, cap, w.duration_s, seed=cfg.seed, scale=cfg.scale, max_requests=cfg.max_requests)
+                         for w in cfg.workloads]
             prompts = [bank.texts(wl, cfg.seed) for wl in workloads]
         for i, spec in enumerate(policy_order(cfg.policies, rep)):
             policy = resolve_policy(spec, gamma, surface)
@@ -603,6 +607,9 @@ async def _one_policy(cmp: Comparison, cfg: CompareConfig, policy: str, rep: int
                 log(f"policy {policy}: the stack was still busy after 30 s; starting {plan.spec} anyway")
             shape = (f"{wl.clients} clients, {plan.duration_s:.0f} s after {wl.warmup_s:.0f} s of warm-up" if wl.clients
                      else f"{len(wl)} requests over {plan.duration_s:.0f} s")
+            if wl.cut:
+                shape += (f"; --max-requests cut the last {wl.cut} arrivals, so they end at {wl.arrival_s[-1]:.0f} s "
+                          "and the trace loses its tail")
             log(f"policy {policy} (repeat {rep + 1}/{cfg.repeats}): workload {plan.spec} ({shape})")
             speed = speed_probe_ms()
             seen: list[StepStats] | None = [] if cfg.record else None

@@ -70,6 +70,7 @@ class Workload:
     nominal: tuple[tuple[float, float, float], ...] = ()  # (start s, end s, req/s) of the pattern's pieces
     clients: int = 0  # > 0: a closed loop of this many clients; arrival_s is then unused (all 0)
     warmup_s: float = 0.0  # requests sent before this are not counted (closed loops)
+    cut: int = 0  # arrivals inside the window dropped by build's max_requests (the trace's tail)
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
@@ -139,9 +140,10 @@ def build(spec: str, capacity_rps: float, duration_s: float, *, seed: int = 0, s
         nominal = _pieces(list(loads), list(weights), unit_s, capacity_rps)
     arrival_s = np.asarray(tr.arrival_ms, dtype=float) / 1000.0
     keep = arrival_s < duration_s
+    inside = int(keep.sum())
     keep[max_requests:] = False
     prompt, output = scale.apply(tr.prompt_tokens[keep], tr.output_tokens[keep])
-    return Workload(spec, arrival_s[keep], prompt, output, duration_s, capacity_rps, nominal)
+    return Workload(spec, arrival_s[keep], prompt, output, duration_s, capacity_rps, nominal, cut=inside - int(keep.sum()))
 
 
 def closed(spec: str, duration_s: float, capacity_rps: float = 1.0) -> Workload:

@@ -425,8 +425,15 @@ def test_headline_defaults_to_the_issues_memory_and_surface_tuned_peers(monkeypa
     assert cfg.kv_budget_bytes == compare.kv_budget_for_share(cli.HEADLINE_DRAFT_SHARE)
     assert {"table:S", "threshold:S:G", "ema", "heuristic", "nightjar-nooffload"} <= set(cfg.policies)
     assert cfg.prior_surface is not None and cfg.repeats == 3 and cfg.oracle
+    from worker.engine.linear import can_bf16
+
+    # the headline's prompts in bf16 where the CPU has the path (BENCHMARKS.md, "Prompts in bf16 on AMX")
+    assert ("--prefill-dtype=bfloat16" in cfg.worker_args) == can_bf16()
     assert cli.main(["--out", str(tmp_path), "--no-progress"]) == 1
     assert seen["cfg"].kv_budget_bytes == compare.kv_budget_for_share(0.6)
+    assert "--prefill-dtype=bfloat16" not in seen["cfg"].worker_args
+    assert cli.main(["--headline", "--prefill-dtype", "float32", "--out", str(tmp_path), "--no-progress"]) == 1
+    assert "--prefill-dtype=bfloat16" not in seen["cfg"].worker_args
 
 
 def test_kv_budget_makes_the_draft_the_asked_share():
@@ -851,3 +858,10 @@ async def test_a_held_policy_is_published_by_the_stack_planner_and_lifted_after(
         stop.set()
         await loop
         await r.aclose()
+
+
+def test_a_trace_cut_by_max_requests_says_how_much_it_lost():
+    whole = build("ramp", 24.8, 120.0, max_requests=5000)
+    assert whole.cut == 0 and len(whole) > 2000 and whole.arrival_s[-1] > 110  # the ramp's top is its end
+    cut = build("ramp", 24.8, 120.0)  # the default cap: 2000
+    assert len(cut) == 2000 and cut.cut == len(whole) - 2000 and cut.arrival_s[-1] < whole.arrival_s[-1]

@@ -24,7 +24,7 @@ class EngineConfig:
     max_batched_tokens: int = 512  # tokens fed to the target per step (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + completion cap; None = the model's max positions
     # prompt rows' matmuls on the CPU: "bfloat16" runs them on a bf16 copy of the target's weights (AMX),
-    # several times faster; the inputs' rounding moves logits off transformers' fp32 (worker/engine/linear.py)
+    # ~3x cheaper prompts; bf16 rounding moves their logits off transformers' fp32 (worker/engine/linear.py)
     prefill_dtype: str = "float32"
     gamma_max: int = 6  # largest speculation depth a policy may ask for
     default_gamma: int = 0  # γ used until set_gamma_policy is called (clamped to 0 without a draft)

@@ -12,10 +12,10 @@ target's matrices are packed once, and a step's few rows read each packed weight
   to ~4 rows, the fallback for a matrix the panel kernel cannot take.
 
 Prompt rows are many and compute-bound, and fp32 runs them at ~150 GFLOP/s of one core, so a
-prompt token costs more than half a batch-64 decode token; on a GPU it costs a few percent.
+prompt token costs over half a batch-64 decode token; on a GPU it costs a few percent.
 ``pack_bf16`` / ``bf16_linear`` give them oneDNN's bf16 inner product (AMX where the CPU has it,
-fp32 accumulation, 6-8x the fp32 rate at 64+ rows): an engine option (EngineConfig.prefill_dtype)
-because rounding to bf16 moves the logits off transformers' fp32 ones (BENCHMARKS.md, "bf16 prefill").
+fp32 accumulation, 5-8x the fp32 rate from 64 rows on): an engine option (EngineConfig.prefill_dtype)
+because rounding to bf16 moves the logits off transformers' fp32 ones (BENCHMARKS.md, "Prompts in bf16 on AMX").
 
 CUDA keeps F.linear.
 """

@@ -11,9 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import random_models
 from worker.engine import linear
 from worker.engine.linear import can_pack, pack, packed_linear
-from worker.engine.model import LlamaModel
+from worker.engine.model import BF16_MIN_ROWS, LlamaModel
+from worker.engine.runner import ModelRunner, Run
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="needs oneDNN on CPU")
 
@@ -96,8 +98,6 @@ def test_pack_refuses_what_it_cannot_pack():
 
 
 def test_packed_model_keeps_weight_bytes_and_refuses_to_move():
-    from tests.conftest import random_models
-
     path = random_models()["llama-target"]
     plain, packed = LlamaModel.from_folder(path), LlamaModel.from_folder(path, packed=True)
     assert packed.weight_bytes == plain.weight_bytes > 0
@@ -138,9 +138,6 @@ def test_bf16_linear_differs_from_f_linear_only_by_bf16_rounding(rows):
 
 @BF16
 def test_bf16_prefill_runs_only_the_prompt_rows_in_bf16():
-    from worker.engine.runner import ModelRunner, Run
-    from tests.conftest import random_models
-
     path = random_models()["llama-target"]
     fp32 = LlamaModel.from_folder(path, packed=True)
     bf16 = LlamaModel.from_folder(path, packed=True, prefill_bf16=True)
@@ -155,7 +152,7 @@ def test_bf16_prefill_runs_only_the_prompt_rows_in_bf16():
                      prompt=True)
         return runner.forward(decode + [prompt])  # [7, V]: 3 + 3 decode rows, then the prompt's last
 
-    for prompt_len, prompt_rounded in ((40, True), (linear_model_min_rows() - 1, False)):
+    for prompt_len, prompt_rounded in ((40, True), (BF16_MIN_ROWS - 1, False)):
         torch.manual_seed(prompt_len)
         want = logits(fp32, prompt_len)
         torch.manual_seed(prompt_len)
@@ -167,9 +164,3 @@ def test_bf16_prefill_runs_only_the_prompt_rows_in_bf16():
         assert diff <= 0.05 * max(1.0, want.abs().max().item())
     with pytest.raises(ValueError, match="decode run after a prompt run"):
         ModelRunner(bf16, 4, 16, 0.0).forward([Run([1, 2], 0, [0], 1, prompt=True), Run([3], 0, [1], 1)])
-
-
-def linear_model_min_rows() -> int:
-    from worker.engine.model import BF16_MIN_ROWS
-
-    return BF16_MIN_ROWS

@@ -13,6 +13,7 @@ from nightjar.messages import SamplingParams
 from tests.conftest import check_greedy, engine, hf_greedy, pair, prompt_ids, run_all, tokenizer
 from worker.engine.acceptance import AcceptanceMonitor
 from worker.engine.engine import EngineRequest
+from worker.engine.linear import can_bf16
 
 N_TOKENS = 24
 POISON = 1.0e4  # finite: a masked key/value must contribute exactly 0, a read one shows at once
@@ -214,3 +215,19 @@ def test_gamma_zero_runs_no_draft_work_at_all():
         del runner.forward
     assert all(len(v) > 0 for v in out.values())
     assert runner.blocks.num_free == runner.blocks.num_blocks  # no draft slots reserved either
+
+
+@pytest.mark.skipif(not can_bf16(), reason="oneDNN has no native bf16 path on this CPU")
+def test_speculation_stays_lossless_with_bf16_prefill():
+    """bf16 prefill moves the prompt's KV off transformers' fp32, so the reference is the same
+    engine at γ = 0: speculation must not change a greedy token on top of it."""
+    target, _ = pair()
+    eng = _spec_engine(prefill_dtype="bfloat16")
+    prompts = prompt_ids(target, 20)[4:16]
+    outs = {}
+    for gamma in (0, 3):
+        eng.set_gamma_policy(lambda b, g=gamma: g)
+        outs[gamma] = run_all(eng, _reqs(prompts))  # all at once: every prompt in one prompt-only step
+    eng.set_gamma_policy(lambda b: 0)
+    assert outs[3] == outs[0]
+    assert all(len(v) == N_TOKENS for v in outs[0].values())
