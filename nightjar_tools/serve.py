@@ -129,9 +129,9 @@ def stack_config(a: argparse.Namespace, p: argparse.ArgumentParser, **overrides)
     if a.dtype not in ("float32", "bfloat16", "float16"):
         fail(p, f"--dtype {a.dtype!r}: use float32, bfloat16 or float16")
     if a.prefill_dtype == "bfloat16":
-        from worker.engine.linear import can_bf16
+        from worker.engine.linear import can_bf16_prefill
 
-        if a.device != "cpu" or a.dtype != "float32" or not can_bf16():
+        if not can_bf16_prefill(a.device, a.dtype):
             fail(p, "--prefill-dtype bfloat16 is for --device cpu --dtype float32 on a CPU with AMX or AVX512-BF16")
     if a.device.startswith("cuda"):
         import torch

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from nightjar_tools.bench.probe import parse_bench_source, steps_of, summarize_steps
 
+
 def per_token(rec: dict, min_steps: int, window: tuple[float, float] | None) -> dict:
     """Prefill and decode ms per output token of one recorded run, its best pure decode cell, and
     its output tokens/s in ``window`` (seconds from its first step)."""

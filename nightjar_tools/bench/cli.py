@@ -171,9 +171,10 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
             p.error(str(exc))
     worker = argparse.ArgumentParser(add_help=False)
     worker.add_argument("--device", default="cpu")
-    device = worker.parse_known_args(a.worker_arg)[0].device
-    prior = prior_surface(a.prior_surface, a.target_model, device)
-    worker_args = tuple(a.worker_arg) + _prefill_args(a, p, device)
+    worker.add_argument("--dtype", default="float32")
+    w = worker.parse_known_args(a.worker_arg)[0]
+    prior = prior_surface(a.prior_surface, a.target_model, w.device)
+    worker_args = tuple(a.worker_arg) + _prefill_args(a, p, w.device, w.dtype)
     try:
         cfg = CompareConfig(policies=policies, workloads=workloads, out_dir=out, seed=a.seed, scale=scale,
                             drain_timeout_s=a.drain_timeout_s or (15.0 if a.quick else 20.0), kv_budget_bytes=kv_budget,
@@ -203,13 +204,13 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
     return 0
 
 
-def _prefill_args(a: argparse.Namespace, p: argparse.ArgumentParser, device: str) -> tuple[str, ...]:
-    from worker.engine.linear import can_bf16
+def _prefill_args(a: argparse.Namespace, p: argparse.ArgumentParser, device: str, dtype: str) -> tuple[str, ...]:
+    from worker.engine.linear import can_bf16_prefill
 
-    native = device == "cpu" and can_bf16()
+    native = can_bf16_prefill(device, dtype)
     choice = a.prefill_dtype or ("bfloat16" if a.headline and native else "float32")
     if choice == "bfloat16" and not native:
-        p.error("--prefill-dtype bfloat16 needs CPU workers on a CPU with AMX or AVX512-BF16")
+        p.error("--prefill-dtype bfloat16 needs float32 CPU workers on a CPU with AMX or AVX512-BF16")
     return ("--prefill-dtype=bfloat16",) if choice == "bfloat16" else ()
 
 

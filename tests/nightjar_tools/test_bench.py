@@ -25,6 +25,7 @@ from nightjar_tools.bench import plots, report
 from nightjar_tools.bench.loadgen import LoadConfig, LoadResult, RequestRecord, run_load
 from nightjar_tools.bench.probe import StackProbe, bench_source, parse_bench_source, recording, steps_of, summarize_steps
 from nightjar_tools.bench.workload import CONTEXT_TOKENS, LengthScale, PromptBank, Workload, build
+from worker.engine.linear import can_bf16
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -425,8 +426,6 @@ def test_headline_defaults_to_the_issues_memory_and_surface_tuned_peers(monkeypa
     assert cfg.kv_budget_bytes == compare.kv_budget_for_share(cli.HEADLINE_DRAFT_SHARE)
     assert {"table:S", "threshold:S:G", "ema", "heuristic", "nightjar-nooffload"} <= set(cfg.policies)
     assert cfg.prior_surface is not None and cfg.repeats == 3 and cfg.oracle
-    from worker.engine.linear import can_bf16
-
     # the headline's prompts in bf16 where the CPU has the path (BENCHMARKS.md, "Prompts in bf16 on AMX")
     assert ("--prefill-dtype=bfloat16" in cfg.worker_args) == can_bf16()
     assert cli.main(["--out", str(tmp_path), "--no-progress"]) == 1
@@ -434,6 +433,8 @@ def test_headline_defaults_to_the_issues_memory_and_surface_tuned_peers(monkeypa
     assert "--prefill-dtype=bfloat16" not in seen["cfg"].worker_args
     assert cli.main(["--headline", "--prefill-dtype", "float32", "--out", str(tmp_path), "--no-progress"]) == 1
     assert "--prefill-dtype=bfloat16" not in seen["cfg"].worker_args
+    assert cli.main(["--headline", "--worker-arg=--dtype=bfloat16", "--out", str(tmp_path), "--no-progress"]) == 1
+    assert "--prefill-dtype=bfloat16" not in seen["cfg"].worker_args  # bf16 prefill is the fp32 engine's
 
 
 def test_kv_budget_makes_the_draft_the_asked_share():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from worker.engine.linear import can_bf16
+from worker.engine.linear import can_bf16_prefill
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,7 +50,7 @@ class EngineConfig:
             raise bad("dtype", f"{self.dtype!r} is not one of {sorted(DTYPES)}")
         if self.prefill_dtype not in ("float32", "bfloat16"):
             raise bad("prefill_dtype", f"{self.prefill_dtype!r} is not float32 or bfloat16")
-        if self.prefill_dtype == "bfloat16" and not (self.device == "cpu" and self.dtype == "float32" and can_bf16()):
+        if self.prefill_dtype == "bfloat16" and not can_bf16_prefill(self.device, self.dtype):
             raise bad("prefill_dtype", "bfloat16 prefill is a CPU float32 engine's option, and needs oneDNN's native "
                       "bf16 path (AMX or AVX512-BF16); this engine or CPU has neither")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

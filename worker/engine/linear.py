@@ -44,6 +44,12 @@ def can_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def can_bf16_prefill(device: str, dtype: str) -> bool:
+    """An engine on ``device`` in ``dtype`` can prefill in bf16: a packed fp32 CPU target, and a
+    native bf16 path."""
+    return device == "cpu" and dtype == "float32" and can_bf16()
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.panel_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
@@ -82,10 +88,7 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = Non
     are rounded to bf16 (oneDNN accumulates in fp32 but has no fp32 output for bf16 inputs); add is
     added after, in fp32, so the residual stream keeps its precision."""
     n = x.shape[0]
-    rows = padded_rows(n)
-    xb = x.to(torch.bfloat16)  # [N, in]
-    if rows != n:
-        xb = torch.cat([xb, xb.new_zeros(rows - n, xb.shape[1])])  # [rows, in]
+    xb = _pad_rows(x.to(torch.bfloat16), padded_rows(n))  # [rows, in]
     y = torch.ops.mkldnn._linear_pointwise(xb, w, None, "none", [], "")[:n].float()  # [N, out]
     return y if add is None else y.add_(add)
 
@@ -106,15 +109,20 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = N
         return _panel_linear(x, w, add)
     n = x.shape[0]
     rows = padded_rows(n)
-    if rows != n:
-        x = torch.cat([x, x.new_zeros(rows - n, x.shape[1])])  # [rows, in]
-        if add is not None and add.dim() == 2:
-            add = torch.cat([add, add.new_zeros(rows - n, add.shape[1])])  # [rows, out]
+    x = _pad_rows(x, rows)  # [rows, in]
+    if add is not None and add.dim() == 2:
+        add = _pad_rows(add, rows)  # [rows, out]
     if add is None or add.dim() == 1:
         y = torch.ops.mkldnn._linear_pointwise(x, w, add, "none", [], "")
     else:
         y = torch.ops.mkldnn._linear_pointwise.binary(x, add, w, None, "add")
     return y if rows == n else y[:n]
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t: [n, k] -> [rows, k], zero rows appended (t itself when rows == n)."""
+    n = t.shape[0]
+    return t if rows == n else torch.cat([t, t.new_zeros(rows - n, t.shape[1])])
 
 
 def _panel_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
