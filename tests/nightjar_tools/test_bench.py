@@ -144,7 +144,7 @@ def _run(policy, wl, tps, e2e, ttft):
 def test_goal_rows_compare_nightjar_with_the_right_baseline():
     runs = [_run("nightjar", "burst", 130, 1.0, 0.2), _run("fixed:3", "burst", 100, 2.0, 0.2),
             _run("threshold:4:3", "burst", 128, 1.0, 0.2), _run("ema", "burst", 120, 1.0, 0.2),
-            _run("nightjar", "poisson:1.5", 50, 5, 1.0),
+            _run("nightjar-nooffload", "burst", 125, 1.2, 0.5), _run("nightjar", "poisson:1.5", 50, 5, 1.0),
             _run("nightjar-nooffload", "poisson:1.5", 50, 5, 2.0), _run("off", "poisson:1.5", 60, 5, 2.0)]
     rows = report.goal_rows(runs, {"burst": "dynamic", "poisson:1.5": "overload"})
     got = {(r["goal"], r["workload"]): r for r in rows}
@@ -157,9 +157,13 @@ def test_goal_rows_compare_nightjar_with_the_right_baseline():
     # TTFT halved, but without a single offload that is not the offload's doing.
     assert got[("TTFT p50, offload vs no offload (overload)", "poisson:1.5")]["met"] is None
     assert "**missed**" in report.markdown_goals(rows) and "no offload happened" in report.markdown_goals(rows)
-    runs[4]["engine"] = {"offloads": 1}
+    assert got[("TTFT p50, offload vs no offload (dynamic)", "burst")]["met"] is None
+    runs[5]["engine"] = {"offloads": 1}
+    runs[0]["engine"] = {"offloads": 1}
     rows = report.goal_rows(runs, {"burst": "dynamic", "poisson:1.5": "overload"})
-    assert [r["met"] for r in rows if r["goal"].startswith("TTFT")] == [True]
+    assert [(r["workload"], r["met"]) for r in rows if r["goal"].startswith("TTFT")] == [("poisson:1.5", True), ("burst", True)]
+    runs[4]["ttft_s"]["p50"] = 0.25  # 0.2 / 0.25 = 0.8: the offload cut TTFT by only 20%
+    assert [r["met"] for r in report.goal_rows(runs, {"burst": "dynamic"}) if r["goal"].startswith("TTFT")] == [False]
 
 
 def test_goal_rows_average_ratios_within_repeats():
