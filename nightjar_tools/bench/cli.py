@@ -54,6 +54,17 @@ def _workload(text: str):
     return WorkloadPlan(spec, duration)
 
 
+def _at_least_one(text: str) -> int:
+    """--max-requests in both modes (compare and --target) is checked here, before any stack starts."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nightjar bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group()
@@ -92,7 +103,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--planner-arg", action="append", default=[], help="extra planner argument (repeatable)")
     add_prior_surface_arg(p)
     p.add_argument("--capacity-rps", type=float, default=None, help="skip the capacity probe")
-    p.add_argument("--max-requests", type=int, default=2000,
+    p.add_argument("--max-requests", type=_at_least_one, default=2000,
                    help="requests per open-loop workload at most; a trace with more loses its tail (the log says so)")
     p.add_argument("--calibration", type=Path, default=None,
                    help="reuse the capacity and γ of an earlier results.json (skips both probes)")

@@ -870,3 +870,9 @@ def test_a_trace_cut_by_max_requests_says_how_much_it_lost():
     assert whole.cut == 0 and len(whole) > 2000 and whole.arrival_s[-1] > 110  # the ramp's top is its end
     cut = build("ramp", 24.8, 120.0)  # the default cap: 2000
     assert len(cut) == 2000 and cut.cut == len(whole) - 2000 and cut.arrival_s[-1] < whole.arrival_s[-1]
+    from nightjar_tools.bench.cli import parser
+
+    for bad in ("0", "-5", "many"):  # refused by the parser in every mode, --target included
+        with pytest.raises(SystemExit):
+            parser().parse_args(["--max-requests", bad])
+    assert parser().parse_args(["--max-requests", "3000"]).max_requests == 3000
