@@ -71,6 +71,7 @@ class AttnGroup:
     q_max: int
     t_max: int
     _mask_rep: torch.Tensor | None = None
+    _mask_add: torch.Tensor | None = None
 
     def mask_rep(self, rep: int) -> torch.Tensor:
         """[B, 1, Q * rep, T]: the mask for query rows (q, r) laid out q-major (see model._attend);
@@ -78,6 +79,13 @@ class AttnGroup:
         if self._mask_rep is None:
             self._mask_rep = self.mask.repeat_interleave(rep, dim=2)
         return self._mask_rep
+
+    def additive_mask(self, rep: int, dtype: torch.dtype) -> torch.Tensor:
+        """mask_rep(rep) as 0 where a query may attend and -inf where not, in dtype; built once per forward."""
+        if self._mask_add is None:
+            m = self.mask if rep == 1 else self.mask_rep(rep)
+            self._mask_add = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+        return self._mask_add
 
 
 @dataclass

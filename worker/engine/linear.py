@@ -83,13 +83,21 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16).contiguous(), PREFILL_ROWS_HINT)
 
 
-def bf16_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [N, in] fp32, w: pack_bf16's [out, in] -> fp32 x @ w^T (+ add) -> [N, out]. x and the product
-    are rounded to bf16 (oneDNN accumulates in fp32 but has no fp32 output for bf16 inputs); add is
-    added after, in fp32, so the residual stream keeps its precision."""
+def bf16_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None,
+                bf16_out: bool = False) -> torch.Tensor:
+    """x: [N, in] fp32 or bf16, w: pack_bf16's [out, in] -> fp32 x @ w^T (+ add) -> [N, out]. x and the
+    product are rounded to bf16 (oneDNN accumulates in fp32 but has no fp32 output for bf16 inputs); add
+    is added after, in fp32, so the residual stream keeps its precision. ``bf16_out`` (no add) returns
+    the bf16 product as it is, for a next bf16 op: a prompt chunk's [N, 2I] cast to fp32 and back
+    costs more than its matmul."""
     n = x.shape[0]
     xb = _pad_rows(x.to(torch.bfloat16), padded_rows(n))  # [rows, in]
-    y = torch.ops.mkldnn._linear_pointwise(xb, w, None, "none", [], "")[:n].float()  # [N, out]
+    y = torch.ops.mkldnn._linear_pointwise(xb, w, None, "none", [], "")[:n]  # [N, out] bf16
+    if bf16_out:
+        if add is not None:
+            raise ValueError("bf16_linear: bf16_out takes no add (it would round the add to bf16)")
+        return y
+    y = y.float()
     return y if add is None else y.add_(add)
 
 

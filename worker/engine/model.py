@@ -160,14 +160,12 @@ class LlamaModel:
             vc.view(-1, k_, d).index_copy_(0, pb.slots, vv)
             qq = qk[:, :h_]  # [N, H, d]
             if len(pb.groups) == 1:
-                o = self._attend(pb.groups[0], qq, kc, vc, pb.positions)
-            else:
-                o = torch.cat([self._attend(g, qq[g.start:g.end], kc, vc, pb.positions) for g in pb.groups])
+                o = self._attend(pb.groups[0], qq, kc, vc, pb.positions, split)
+            else:  # cat promotes a bf16 prompt group's rows to fp32 beside fp32 decode rows
+                o = torch.cat([self._attend(g, qq[g.start:g.end], kc, vc, pb.positions, split) for g in pb.groups])
             x = self._lin(o, lw["o"], x, lb.get("o"), split)  # x + o @ Wo in one op
             hn = F.rms_norm(x, (x.shape[-1],), lw["ln2"], eps)
-            gu = self._lin(hn, lw["gate_up"], None, lb.get("gate_up"), split)  # [N, 2I]
-            g, u = gu.chunk(2, -1)
-            x = self._lin(F.silu(g) * u, lw["down"], x, lb.get("down"), split)
+            x = self._mlp(hn, x, lw, lb, split)
         x = F.rms_norm(x.index_select(0, logit_rows), (x.shape[-1],), w["norm"], eps)
         return self._lin(x, w["head"]).float()  # [R, V]
 
@@ -194,9 +192,22 @@ class LlamaModel:
             return out if add is None else out + add
         return x @ w if add is None else torch.addmm(add, x, w)
 
+    def _mlp(self, hn: torch.Tensor, x: torch.Tensor, lw: dict, lb: dict, split: int | None) -> torch.Tensor:
+        """x + down(silu(gate) * up); hn: [N, D] normed x -> [N, D]. Rows from ``split`` on run on the
+        bf16 copy and stay bf16 between the two matmuls: down would round its input to bf16 anyway."""
+        if split is None:
+            gu = self._lin(hn, lw["gate_up"])  # [N, 2I]
+            g, u = gu.chunk(2, -1)
+            return self._lin(F.silu(g) * u, lw["down"], x)
+        gu = bf16_linear(hn[split:], lb["gate_up"], bf16_out=True)  # [N - split, 2I] bf16
+        g, u = gu.chunk(2, -1)
+        hi = bf16_linear(F.silu(g) * u, lb["down"], x[split:])  # [N - split, D] fp32
+        return hi if split == 0 else torch.cat([self._mlp(hn[:split], x[:split], lw, lb, None), hi])
+
     def _attend(self, g: AttnGroup, qq: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
-        """qq: [n, H, d] queries of group g; kc, vc: [num_blocks, block_size, K, d] -> [n, H * d]."""
+                positions: torch.Tensor, split: int | None = None) -> torch.Tensor:
+        """qq: [n, H, d] queries of group g; kc, vc: [num_blocks, block_size, K, d] -> [n, H * d]. A group of
+        prompt rows only (from ``split`` on) attends in bf16 and returns bf16, which Wo's bf16 copy reads."""
         h_, k_, d = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         b, q, t = g.batch, g.q_max, g.t_max
         if self.paged_attention and g.pad_index is None and q <= attention.MAX_RUN:
@@ -209,7 +220,11 @@ class LlamaModel:
         # extra query rows of that head: [B, Q, K, rep, d] -> [B, K, Q * rep, d]
         rep = h_ // k_
         qq = qq.view(b, q, k_, rep, d).permute(0, 2, 1, 3, 4).reshape(b, k_, q * rep, d)
-        mask = g.mask if rep == 1 else g.mask_rep(rep)  # [B, 1, Q * rep, T]
+        if split is not None and g.start >= split:
+            qq, kg, vg = qq.to(torch.bfloat16), kg.to(torch.bfloat16), vg.to(torch.bfloat16)
+            mask = g.additive_mask(rep, torch.bfloat16)  # the CPU flash kernel runs a 0/-inf mask faster
+        else:
+            mask = g.mask if rep == 1 else g.mask_rep(rep)  # [B, 1, Q * rep, T]
         o = F.scaled_dot_product_attention(qq, kg, vg, attn_mask=mask)  # [B, K, Q * rep, d]
         o = o.view(b, k_, q, rep, d).permute(0, 2, 1, 3, 4).reshape(b * q, h_ * d)  # [B * Q, H * d]
         if g.pad_index is not None:

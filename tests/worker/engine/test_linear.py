@@ -134,6 +134,11 @@ def test_bf16_linear_differs_from_f_linear_only_by_bf16_rounding(rows):
     assert ((linear.bf16_linear(x, wb, resid) - (ref + resid)).abs() <= tol + 1e-5 * resid.abs()).all()
     assert ((linear.bf16_linear(x, wb, bias) - (ref + bias)).abs() <= tol + 1e-5 * bias.abs()).all()
     assert (linear.bf16_linear(x, wb) - F.linear(x, w)).abs().max().item() > 0  # it did round
+    kept = linear.bf16_linear(x, wb, bf16_out=True)  # the product as oneDNN rounded it, for a next bf16 op
+    assert kept.dtype == torch.bfloat16 and torch.equal(kept.float(), linear.bf16_linear(x, wb))
+    assert torch.equal(linear.bf16_linear(x.bfloat16(), wb), linear.bf16_linear(x, wb))  # bf16 input: no cast
+    with pytest.raises(ValueError, match="bf16_out"):
+        linear.bf16_linear(x, wb, resid, bf16_out=True)
 
 
 @BF16
@@ -162,5 +167,11 @@ def test_bf16_prefill_runs_only_the_prompt_rows_in_bf16():
         diff = (got[6] - want[6]).abs().max().item()
         assert (diff > tol) == prompt_rounded  # a few prompt rows beside decode rows stay on the fp32 weights
         assert diff <= 0.05 * max(1.0, want.abs().max().item())
+    # a prompt-only step of two ragged prompts (one padded attention group): all bf16, attention included
+    runs = [Run(torch.randint(vocab, (n,)).tolist(), 0, list(range(i * 4, i * 4 + 4)), 1, prompt=True)
+            for i, n in enumerate((40, 23))]
+    want, got = (ModelRunner(m, 16, 16, 0.0).forward(runs) for m in (fp32, bf16))  # [2, V]
+    scale = max(1.0, want.abs().max().item())
+    assert 1e-4 * scale < (got - want).abs().max().item() <= 0.05 * scale
     with pytest.raises(ValueError, match="decode run after a prompt run"):
         ModelRunner(bf16, 4, 16, 0.0).forward([Run([1, 2], 0, [0], 1, prompt=True), Run([3], 0, [1], 1)])

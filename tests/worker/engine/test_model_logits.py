@@ -79,3 +79,19 @@ def test_config_rejects_unsupported_rope(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="rope type 'yarn'"):
         load_config(tmp_path)
+
+
+def test_additive_mask_attends_like_the_boolean_one():
+    import torch.nn.functional as F
+
+    # a decode run, then two ragged runs in one padded group: [B=2, 1, Q * rep, T] with rep = 3
+    g = build_paged_batch([0, 0, 5], [1, 12, 7], [[4], [0, 1], [2, 3]], 8, torch.device("cpu")).groups[-1]
+    assert g.batch == 2 and g.pad_index is not None
+    want_mask = g.mask_rep(3)
+    add = g.additive_mask(3, torch.float32)
+    assert add.shape == want_mask.shape and (add[want_mask] == 0).all() and torch.isneginf(add[~want_mask]).all()
+    assert g.additive_mask(3, torch.float32) is add  # built once per forward
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, add.shape[2] if i == 0 else add.shape[3], 16, generator=gen) for i in range(3))
+    got = F.scaled_dot_product_attention(q, k, v, attn_mask=add)
+    assert torch.allclose(got, F.scaled_dot_product_attention(q, k, v, attn_mask=want_mask), atol=1e-6)
