@@ -62,8 +62,8 @@ def add_stack_args(p: argparse.ArgumentParser, *, port: int, http_port: int | No
                    "engine loop in a child process)")
     p.add_argument("--dtype", default="float32", help="the workers' weights and KV cache: float32, bfloat16, float16")
     p.add_argument("--prefill-dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="CPU float32 workers: run prompt tokens' matmuls in bfloat16 (AMX; several times faster prefill, "
-                        "logits within bf16 rounding of float32's)")
+                   help="CPU float32 workers: run prompt tokens in bfloat16: matmuls, attention and the MLP between "
+                        "them (AMX; several times faster prefill, logits within bf16 rounding of float32's)")
     add_prior_surface_arg(p)
     p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: (cores - 1) / workers, at least 1)")
     p.add_argument("--io-nice", type=int, default=StackConfig.io_nice,

@@ -22,8 +22,8 @@ def parse_config(argv: list[str]) -> WorkerServiceConfig:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
     p.add_argument("--prefill-dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="CPU: run prompt tokens' matmuls in bfloat16 (AMX; several times faster, logits within bf16 "
-                        "rounding of float32's)")
+                   help="CPU: run prompt tokens in bfloat16: matmuls, attention and the MLP between them (AMX; "
+                        "several times faster, logits within bf16 rounding of float32's; the KV cache stays float32)")
     p.add_argument("--kv-budget-bytes", type=int, default=None, help="KV cache budget (default: the engine's)")
     p.add_argument("--max-running", type=int, default=64, help="sequences decoded together at most")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + completion cap (default: the models' own)")

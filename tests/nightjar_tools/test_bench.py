@@ -876,3 +876,15 @@ def test_a_trace_cut_by_max_requests_says_how_much_it_lost():
         with pytest.raises(SystemExit):
             parser().parse_args(["--max-requests", bad])
     assert parser().parse_args(["--max-requests", "3000"]).max_requests == 3000
+
+
+def test_the_fixed_peer_is_the_smallest_gamma_the_probe_cannot_tell_from_the_fastest():
+    from nightjar_tools.bench.compare import GAMMA_TIE, pick_gamma
+
+    # the twenty-eighth and thirtieth sessions' batch-1 probes: 3 and 4 within the probe's spread
+    assert pick_gamma({0: 78.4, 1: 116.3, 2: 131.6, 3: 146.7, 4: 148.9}) == 3
+    assert pick_gamma({0: 78.8, 1: 120.1, 2: 130.8, 3: 145.2, 4: 141.0}) == 3
+    assert pick_gamma({0: 78.0, 1: 116.0, 2: 131.0, 3: 140.0, 4: 150.0}) == 4  # 7% apart: a real winner
+    assert pick_gamma({0: 100.0, 1: 90.0}) == 0  # speculation that does not pay at batch 1
+    assert pick_gamma({0: 100.0, 1: 102.0}, tie=0.0) == 1 and pick_gamma({0: 100.0, 1: 102.0}) == 0
+    assert 0 < GAMMA_TIE < 0.1
