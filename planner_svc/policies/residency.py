@@ -14,7 +14,10 @@ from nightjar.messages import Residency, StepStats
 
 @dataclass(frozen=True)
 class ResidencySettings:
-    kv_full_fraction: float = 0.9
+    # A pool that limits admission reads 85-90% used in a fifth to a third of its steps (the next
+    # prompt does not fit the free blocks, and preemptions free some), so at 0.9 the pressure average
+    # hovered below offload_above through a minute-long burst (BENCHMARKS.md, sixteenth session).
+    kv_full_fraction: float = 0.8
     pressure_smoothing: float = 0.02  # EMA weight per step: pressure must last ~1/this steps
     offload_above: float = 0.8
     offload_max_gain: float = 0.02  # offload only if speculation is predicted to gain <= 2% at the grown batch

@@ -265,6 +265,22 @@ def test_offload_needs_sustained_pressure_and_a_predicted_gain():
     assert ctl.directive("w0") == Residency.OFFLOADED
 
 
+def test_a_pool_that_keeps_a_queue_waiting_is_pressure_below_90_percent_used():
+    """Live, a pool that limits admission read 85-90% used in up to a third of its steps (the next
+    prompt does not fit, preemptions free blocks); at a 0.9 threshold the burst never offloaded."""
+    def run(used: int) -> str:
+        ctl = ResidencyController(ResidencySettings(min_dwell_steps=100))
+        for i in range(600):  # two steps in three at 91% used, one at `used`%, a queue throughout
+            u = 91 if i % 3 else used
+            ctl.observe(stats(40, 0, used=u, free=100 - u, waiting=30), lambda b: 0.0, lambda b, b2: 0.1, 0.01)
+        return ctl.directive("w0")
+
+    assert run(85) == Residency.OFFLOADED
+    assert run(60) == Residency.RESIDENT  # a pool a third of the time well short of full is not what holds the batch
+    with pytest.raises(ValueError, match="kv_full_fraction"):
+        ResidencySettings(kv_full_fraction=0.0)
+
+
 def test_no_offload_where_a_bigger_batch_buys_no_throughput():
     """Compute-bound steps: the freed KV would only trade queueing for slower decoding."""
     ctl = ResidencyController(ResidencySettings(min_dwell_steps=100))

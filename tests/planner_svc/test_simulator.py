@@ -11,6 +11,7 @@ import pytest
 from nightjar.messages import Residency
 from nightjar.paths import COST_SURFACES, TRACES_DIR
 from planner_svc.policies import make_policy
+from planner_svc.policies.residency import ResidencySettings
 from planner_svc.simulator import AcceptanceProcess, SimConfig, load_table, oracle_policy, roofline, simulate, trace_for
 from planner_svc.simulator.trace import Trace, synthetic_lengths
 from tests.planner_svc.conftest import Recorder, high_then_low
@@ -95,9 +96,10 @@ def test_offload_only_under_sustained_pressure():
     starts = [i for i in range(1, len(seen)) if seen[i].draft_residency == "offloading"
               and seen[i - 1].draft_residency == "resident"]
     assert starts
+    full = ResidencySettings().kv_full_fraction
     for i in starts:
         window = seen[max(0, i - 60): i]  # the pressure average needs ~80 steps to pass 0.8
-        pressured = [s.waiting > 0 and s.kv_blocks_used >= 0.9 * (s.kv_blocks_used + s.kv_blocks_free) for s in window]
+        pressured = [s.waiting > 0 and s.kv_blocks_used >= full * (s.kv_blocks_used + s.kv_blocks_free) for s in window]
         assert len(window) == 60 and np.mean(pressured) >= 0.9 and window[-1].gamma == 0
     nooffload = simulate(high_then_low(2), make_policy("nightjar-nooffload", gamma_max=GAMMA_MAX), SURFACE, config)
     assert nooffload.offloads == 0
