@@ -77,8 +77,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default=None, help="with --target: the stack's Redis (redis:// or redis+cluster://), for the engine-side metrics")
     p.add_argument("--key-prefix", default="nj")
     p.add_argument("--policies", nargs="+", default=None,
-                   help="policy specs; G stands for the calibrated best γ at batch 1 (the smallest within 3%% of the fastest), S for the prior surface's best γ "
-                        "per batch size (table:S, threshold:S:G) (default: the full set)")
+                   help="policy specs; G stands for the calibrated best γ at batch 1 (the smallest within 3%% of the "
+                        "fastest), S for the prior surface's best γ per batch size (table:S, threshold:S:G) (default: the "
+                        "full set)")
     p.add_argument("--workloads", nargs="+", type=_workload, default=None,
                    help="SPEC@SECONDS: poisson:ρ, rates:ρ1,ρ2,..., burst, ramp, oscillation, azure_conv, azure_code, "
                         "closed:C (C clients in a closed loop, 64-token requests; tokens/s over SECONDS after a 10 s warm-up, "

@@ -32,8 +32,9 @@ from planner_svc.simulator.oracle import surface_gammas, table_of
 from planner_svc.simulator.trace import synthetic_lengths
 
 PLANNER_GAMMA_MAX = PlannerConfig.gamma_max  # the planner's default --gamma-max: a fixed:G above it would be refused
-# γs whose batch-1 speed is within this share of the best one's tie: the probe's run-to-run spread
-# flipped the best γ between 3 and 4 at this margin ("Headline, sixteenth session" in BENCHMARKS.md)
+# A γ whose batch-1 speed is within this share of the fastest γ's ties with it: the probe's
+# run-to-run spread flipped the best γ between 3 and 4 at this margin ("Headline, sixteenth
+# session" in BENCHMARKS.md)
 GAMMA_TIE = 0.03
 
 

@@ -82,7 +82,7 @@ class AttnGroup:
 
     def additive_mask(self, rep: int, dtype: torch.dtype) -> torch.Tensor:
         """mask_rep(rep) as 0 where a query may attend and -inf where not, in dtype; built once per forward."""
-        if self._mask_add is None:
+        if self._mask_add is None or self._mask_add.dtype != dtype:
             m = self.mask if rep == 1 else self.mask_rep(rep)
             self._mask_add = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
         return self._mask_add

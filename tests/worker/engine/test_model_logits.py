@@ -91,6 +91,7 @@ def test_additive_mask_attends_like_the_boolean_one():
     add = g.additive_mask(3, torch.float32)
     assert add.shape == want_mask.shape and (add[want_mask] == 0).all() and torch.isneginf(add[~want_mask]).all()
     assert g.additive_mask(3, torch.float32) is add  # built once per forward
+    assert g.additive_mask(3, torch.bfloat16).dtype == torch.bfloat16  # not the fp32 one it holds
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, add.shape[2] if i == 0 else add.shape[3], 16, generator=gen) for i in range(3))
     got = F.scaled_dot_product_attention(q, k, v, attn_mask=add)
