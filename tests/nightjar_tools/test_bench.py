@@ -888,3 +888,19 @@ def test_the_fixed_peer_is_the_smallest_gamma_the_probe_cannot_tell_from_the_fas
     assert pick_gamma({0: 100.0, 1: 90.0}) == 0  # speculation that does not pay at batch 1
     assert pick_gamma({0: 100.0, 1: 102.0}, tie=0.0) == 1 and pick_gamma({0: 100.0, 1: 102.0}) == 0
     assert 0 < GAMMA_TIE < 0.1
+
+
+def test_replay_residency_reads_a_recording_at_a_given_pool_threshold(tmp_path):
+    # A minute of a pool 85% used with a queue waiting, at γ = 0 and batch 40 (1 ms per token).
+    steps = [msgspec.structs.replace(_step(i, 0, batch=40, emitted=40), unix_ms=80 * i, draft_ms=0.0, verify_ms=40.0,
+                                     step_ms=40.0, kv_blocks_used=85, kv_blocks_free=15, waiting=30) for i in range(750)]
+    path = tmp_path / "nightjar_burst.json"
+    path.write_text(json.dumps(recording(steps, bench_source("nightjar", "burst", 1))))
+
+    def replay(fraction):
+        cmd = [sys.executable, str(ROOT / "scripts/replay_residency.py"), str(path), "--kv-full-fraction", fraction]
+        return subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+
+    assert replay("0.9") == "nightjar_burst.json: the draft stays\n"
+    out = replay("0.8")
+    assert out.startswith("nightjar_burst.json: offloaded at ") and "resident" not in out, out
