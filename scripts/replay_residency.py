@@ -16,8 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
+from nightjar.messages import Residency  # noqa: E402
 from nightjar_tools.bench.probe import steps_of  # noqa: E402
 from planner_svc.config import PlannerConfig  # noqa: E402
 from planner_svc.policies.nightjar import NightjarPolicy, NightjarSettings  # noqa: E402
@@ -32,7 +34,7 @@ def replay(path: Path, kv_full_fraction: float, prior_surface: str | None) -> li
     if prior is not None:
         policy.warm_start(prior)
     steps = steps_of(json.loads(path.read_text()))
-    changes, last = [], "resident"
+    changes, last = [], Residency.RESIDENT
     for st in steps:
         policy.update(st)
         now = policy.residency_for(st.worker_id)
@@ -46,7 +48,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recordings", nargs="+", type=Path)
     p.add_argument("--kv-full-fraction", type=float, default=ResidencySettings.kv_full_fraction)
-    p.add_argument("--prior-surface", default="planner_svc/cost_surfaces/cpu_serve_xeon480.json",
+    p.add_argument("--prior-surface", default=str(ROOT / "planner_svc/cost_surfaces/cpu_serve_xeon480.json"),
                    help="the planner's warm start, as the bench gave it ('' for none)")
     a = p.parse_args()
     for path in a.recordings:
