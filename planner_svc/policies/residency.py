@@ -14,7 +14,7 @@ from nightjar.messages import Residency, StepStats
 
 @dataclass(frozen=True)
 class ResidencySettings:
-    # A pool that limits admission read 80-90% used in up to a third of its steps live (the next
+    # A pool that limits admission read below 90% used in up to a third of its steps live (the next
     # prompt does not fit the free blocks, and preemptions free some), so at 0.9 the pressure average
     # hovered below offload_above through a minute-long burst (BENCHMARKS.md, sixteenth session).
     kv_full_fraction: float = 0.8

@@ -266,7 +266,7 @@ def test_offload_needs_sustained_pressure_and_a_predicted_gain():
 
 
 def test_a_pool_that_keeps_a_queue_waiting_is_pressure_below_90_percent_used():
-    """Live, a pool that limits admission read 85-90% used in up to a third of its steps (the next
+    """Live, a pool that limits admission read below 90% used in up to a third of its steps (the next
     prompt does not fit, preemptions free blocks); at a 0.9 threshold the burst never offloaded."""
     def run(used: int) -> str:
         ctl = ResidencyController(ResidencySettings(min_dwell_steps=100))
