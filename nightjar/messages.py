@@ -197,6 +197,7 @@ class StepStats(Message):
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
     waiting: int = 0
+    max_running: int = 0  # the worker's cap on the batch (0: not said)
     preempted: int = 0
     preempted_tokens: int = 0  # target KV those preemptions freed, to be prefilled again (recompute)
     draft_residency: str = "none"

@@ -71,9 +71,9 @@ class ResidencyController:
                  or, pressure or not, if gain >= reload_gain_under_pressure (a mistaken offload)
 
     where gain = 1 − L(γ*)/L(0) is the policy's predicted speed-up of speculation at a batch size,
-    B' is the batch the freed memory admits (B' = min(B·growth, B + waiting), growth = KV pool
-    offloaded / resident, measured after the first offload, from the worker's memory parts
-    before it), and the offload gain is the predicted rise in tokens/s from γ = 0 at B' over the
+    B' is the batch the freed memory admits (B' = min(B·growth, B + waiting, the worker's
+    max_running), growth = KV pool offloaded / resident, measured after the first offload, from
+    the worker's memory parts before it), and the offload gain is the predicted rise in tokens/s from γ = 0 at B' over the
     best γ at B. Offloading is this worker's choice of γ = 0 under memory pressure: it pays when
     the bigger batch at γ = 0 beats speculating at the batch memory allows now, even where
     speculation still pays a little at B (live, the KV pool capped the batch just below the
@@ -156,7 +156,8 @@ class ResidencyController:
             kv = m.get("target_kv", 0) + m.get("draft_kv", 0)
             growth = 1 + m["draft_weights"] / kv if kv and m.get("draft_weights") else self.settings.kv_growth_prior
         b = stats.batch_size
-        return min(max(b, round(b * growth)), b + stats.waiting)
+        grown = min(max(b, round(b * growth)), b + stats.waiting)
+        return min(grown, max(b, stats.max_running)) if stats.max_running else grown
 
     def state_dict(self) -> dict[str, Any]:
         return {wid: [w.residency, w.pressure, min(w.steps_since_change, 1 << 30), w.resident_kv_total,

@@ -298,6 +298,26 @@ def test_no_offload_where_speculation_pays_at_the_grown_batch():
     assert ctl.directive("w0") == Residency.RESIDENT
 
 
+def test_the_grown_batch_stops_at_the_workers_max_running():
+    """A worker at its batch cap gains nothing from more KV: the freed memory admits no one."""
+    seen: list[tuple[int, int]] = []
+
+    def offload_gain(b: int, grown: int) -> float:
+        seen.append((b, grown))
+        return 0.1 if grown > b else 0.0
+
+    def run(max_running: int) -> str:
+        ctl = ResidencyController(ResidencySettings(min_dwell_steps=100))
+        for _ in range(300):
+            ctl.observe(stats(60, 0, used=95, free=5, waiting=30).replace(max_running=max_running),
+                        lambda b: 0.0, offload_gain, 0.01)
+        return ctl.directive("w0")
+
+    assert run(0) == Residency.OFFLOADED and seen[-1] == (60, 90)  # no cap said: growth x1.5
+    assert run(64) == Residency.OFFLOADED and seen[-1] == (60, 64)
+    assert run(60) == Residency.RESIDENT and seen[-1] == (60, 60)
+
+
 def test_offload_gain_weighs_gamma_zero_at_the_grown_batch_against_the_best_gamma_now():
     # The measured serve surface: at batch 16 speculation still pays (γ=1, +10%), yet γ=0 at the
     # batch 1.45x the KV admits delivers 18% more tokens/s. At batch 8 speculating beats γ=0 at

@@ -282,7 +282,7 @@ class Engine:
             prefill_tokens=sum(c for _, c in batch.prefill),
             catchup_tokens=prop.catchup_tokens if prop else 0, catchup_ms=prop.catchup_ms if prop else 0.0,
             kv_blocks_used=blocks.num_used, kv_blocks_free=blocks.num_free, waiting=len(self.scheduler.waiting),
-            preempted=batch.preempted, preempted_tokens=batch.preempted_tokens,
+            max_running=self.cfg.max_running, preempted=batch.preempted, preempted_tokens=batch.preempted_tokens,
             draft_residency=self.draft_residency, acceptance_alarm=alarm,
             memory_bytes=self.memory.parts().as_dict(),
         )

@@ -162,6 +162,7 @@ def test_unsafe_reload_is_refused_without_preempting(tight):
     st = eng.last_stats  # what the planner sees: residency and the budget by part
     assert st.draft_residency == "offloaded" and st.memory_bytes == eng.memory.parts().as_dict()
     assert st.memory_bytes["draft_weights"] == 0 and StepStats.decode(st.encode()).memory_bytes == st.memory_bytes
+    assert st.max_running == eng.cfg.max_running  # the planner's grown batch stops there
     why = eng.memory.reload()
     assert why is not None and "preempt" in why
     rep = eng.memory.report()
