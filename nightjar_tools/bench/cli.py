@@ -35,6 +35,7 @@ HEADLINE_WORKLOADS = ("burst@120", "oscillation@120", "ramp@120", "azure_conv@12
 # of KV, so the draft's weights are ~45% of the KV pool, and offloading it grows the pool ~1.45x.
 HEADLINE_DRAFT_SHARE = 0.45
 DEFAULT_DRAFT_SHARE = 0.6  # the memory work's overload scenario
+DEFAULT_MAX_REQUESTS = 2000
 QUICK_POLICIES = ("fixed:G", "nightjar")
 QUICK_WORKLOADS = ("burst@20",)
 # Timelines copied into --plots-dir (every run's timeline stays in the output folder).
@@ -104,7 +105,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--planner-arg", action="append", default=[], help="extra planner argument (repeatable)")
     add_prior_surface_arg(p)
     p.add_argument("--capacity-rps", type=float, default=None, help="skip the capacity probe")
-    p.add_argument("--max-requests", type=_at_least_one, default=2000,
+    p.add_argument("--max-requests", type=_at_least_one, default=DEFAULT_MAX_REQUESTS,
                    help="requests per open-loop workload at most; a trace with more loses its tail (the log says so)")
     p.add_argument("--calibration", type=Path, default=None,
                    help="reuse the capacity and γ of an earlier results.json (skips both probes)")
@@ -226,6 +227,23 @@ def _prefill_args(a: argparse.Namespace, p: argparse.ArgumentParser, device: str
     return ("--prefill-dtype=bfloat16",) if choice == "bfloat16" else ()
 
 
+def _with_demand(run: dict, config: dict | None, capacity_rps: float) -> dict:
+    """A run recorded before runs kept their trace's demand (``offered_tokens``): the traces are
+    seeded, so rebuilding it from the run's config and capacity tells what it asked for."""
+    if "offered_tokens" in run or run.get("kind") == "closed" or not config:
+        return run
+    from nightjar_tools.bench.workload import LengthScale, build
+
+    duration = dict((spec, d) for spec, d in config["workloads"]).get(run["workload"])
+    if duration is None:
+        return run
+    wl = build(run["workload"], capacity_rps, duration, seed=config["seed"], scale=LengthScale(**config["scale"]),
+               max_requests=config.get("max_requests", DEFAULT_MAX_REQUESTS))
+    if len(wl) > 1:
+        run.update(offered_tokens=int(wl.output_tokens.sum()), offered_span_s=float(wl.arrival_s[-1] - wl.arrival_s[0]))
+    return run
+
+
 def merge_payloads(payloads: list[dict]) -> dict:
     """Earlier comparisons as repeats of one: runs renumbered, goals recomputed across them.
 
@@ -242,10 +260,10 @@ def merge_payloads(payloads: list[dict]) -> dict:
     for pl in payloads:
         reps = sorted({r.get("repeat", 0) for r in pl["runs"]})
         for k in reps:
+            capacities[str(rep)] = pl["calibration"].get("recalibrated", {}).get(str(k), pl["calibration"]["capacity_rps"])
             for r in pl["runs"]:
                 if r.get("repeat", 0) == k:
-                    runs.append({**r, "repeat": rep})
-            capacities[str(rep)] = pl["calibration"].get("recalibrated", {}).get(str(k), pl["calibration"]["capacity_rps"])
+                    runs.append(_with_demand({**r, "repeat": rep}, pl.get("config"), capacities[str(rep)]))
             rep += 1
         for key, s in pl["samples"].items():
             policy, workload, *_ = key.split("|")

@@ -465,7 +465,8 @@ class Comparison:
     def payload(self) -> dict:
         kinds = {w.spec: w.kind for w in self.cfg.workloads}
         payload = {"config": {"policies": self.cfg.policies, "workloads": [(w.spec, w.duration_s) for w in self.cfg.workloads],
-                           "seed": self.cfg.seed, "scale": self.cfg.scale.__dict__, "kv_budget_bytes": self.cfg.kv_budget_bytes,
+                           "seed": self.cfg.seed, "scale": self.cfg.scale.__dict__, "max_requests": self.cfg.max_requests,
+                           "kv_budget_bytes": self.cfg.kv_budget_bytes,
                            "target_model": str(self.cfg.target_model), "draft_model": str(self.cfg.draft_model),
                            "draft_weight_bytes": draft_weight_bytes(self.cfg.draft_model),
                            "drain_timeout_s": self.cfg.drain_timeout_s, "workers": self.cfg.workers,

@@ -512,6 +512,17 @@ def test_merge_turns_result_files_into_repeats():
     merged = merge_payloads([first, second])
     assert merged["calibration"]["recalibrated"] == {"0": 2.0, "1": 3.0}
     assert sorted(r["repeat"] for r in merged["runs"]) == [0, 0, 1, 1]
+    # A file from before runs kept their trace's demand: rebuilt from its config at each repeat's capacity.
+    from nightjar_tools.bench.workload import LengthScale, build
+
+    scale = LengthScale(max_output=32)
+    for pl in (first, second):
+        pl["config"] = {"workloads": [["burst", 10.0]], "seed": 2, "scale": scale.__dict__}
+    merged = merge_payloads([first, second])
+    for r in merged["runs"]:
+        wl = build("burst", 2.0 if r["repeat"] == 0 else 3.0, 10.0, seed=2, scale=scale)
+        assert r["offered_tokens"] == int(wl.output_tokens.sum()) > 0
+        assert r["offered_span_s"] == pytest.approx(wl.arrival_s[-1] - wl.arrival_s[0])
 
 
 def test_recalibrate_scales_each_repeats_loads_to_the_capacity_probed_before_it(tmp_path, monkeypatch):
@@ -627,7 +638,36 @@ async def test_loadgen_closed_loop_keeps_exactly_c_in_flight(scripted_server):
     # the steady rate, while all three send: each request is 3 responses of 2 tokens, step_s apart
     steady = report.summarize_workload(res, None, wl)
     assert steady["tokens_per_s"] == steady["steady_tokens_per_s"] > 0.9 * counted["makespan_tokens_per_s"]
+    assert report.demand_ceiling(steady) is None  # a closed loop's demand follows its service
     assert steady["tokens_per_s"] <= 1.05 * 3 * 6 / (3 * servicer.step_s)
+
+
+def test_a_trace_that_asks_for_less_than_the_goal_says_so():
+    """Where both policies serve every request, tokens/s is the trace's demand over its span: the
+    goal row says no policy could reach the target."""
+    from nightjar_tools.bench.workload import build
+
+    wl = build("poisson:0.5", 20.0, 10.0, seed=1)
+    span = float(wl.arrival_s[-1] - wl.arrival_s[0])
+    offered = int(wl.output_tokens.sum())
+
+    def served(slowdown: float, policy: str) -> dict:  # every request served, the last one late by `slowdown` s
+        recs = [_rec(i, float(t), float(t) + 0.1, float(t) + 0.2 + (slowdown if i == len(wl) - 1 else 0.0), int(n))
+                for i, (t, n) in enumerate(zip(wl.arrival_s, wl.output_tokens))]
+        return {**report.summarize_workload(LoadResult("x", "poisson:0.5", 0.0, span + 5, recs), None, wl), "policy": policy}
+
+    fast, slow = served(0.0, "nightjar"), served(1.0, "fixed:3")
+    assert fast["offered_tokens"] == offered and fast["offered_span_s"] == pytest.approx(span)
+    assert report.demand_ceiling(fast) == pytest.approx(offered / span)
+    assert fast["tokens_per_s"] <= report.demand_ceiling(fast) and slow["tokens_per_s"] < fast["tokens_per_s"]
+    (row,) = [r for r in report.goal_rows([fast, slow], {"poisson:0.5": "dynamic"}) if r["goal"].startswith("throughput vs fixed")]
+    assert row["met"] is False and row["note"].startswith("unreachable")
+    cap = (offered / span) / slow["tokens_per_s"]
+    assert f"{cap:.3f}×" in row["note"] and cap < 1.27
+    assert "no policy exceeds" in report.markdown_summary([fast, slow])
+    fast.pop("offered_span_s")  # a results.json from before the field: no claim either way
+    (row,) = [r for r in report.goal_rows([fast, slow], {"poisson:0.5": "dynamic"}) if r["goal"].startswith("throughput vs fixed")]
+    assert row["note"] == ""
 
 
 def test_goal_rows_best_static_takes_the_best_of_each_repeat():
