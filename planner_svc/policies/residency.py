@@ -72,16 +72,16 @@ class ResidencyController:
 
     where gain = 1 − L(γ*)/L(0) is the policy's predicted speed-up of speculation at a batch size,
     B' is the batch the freed memory admits (B' = min(B·growth, B + waiting, the worker's
-    max_running), growth = KV pool offloaded / resident, measured after the first offload, from
-    the worker's memory parts before it), and the offload gain is the predicted rise in tokens/s from γ = 0 at B' over the
-    best γ at B. Offloading is this worker's choice of γ = 0 under memory pressure: it pays when
-    the bigger batch at γ = 0 beats speculating at the batch memory allows now, even where
-    speculation still pays a little at B (live, the KV pool capped the batch just below the
-    crossover, and a rule that waited for γ = 0 at B never offloaded: BENCHMARKS.md, the
-    headline). Where the step is
-    compute-bound a bigger batch buys no throughput: it only moves waiting time into slower
-    decoding for everyone, so the draft stays. And where speculation would pay again at B' (the
-    next bucket up learned a γ > 0), the draft would be reloaded as soon as the batch grew.
+    max_running), growth = KV pool offloaded / resident, measured after the first offload, from the
+    worker's memory parts before it), and the offload gain is the predicted rise in tokens/s from
+    γ = 0 at B' over the best γ at B. Offloading is this worker's choice of γ = 0 under memory
+    pressure: it pays when the bigger batch at γ = 0 beats speculating at the batch memory allows
+    now, even where speculation still pays a little at B (live, the KV pool capped the batch just
+    below the crossover, and a rule that waited for γ = 0 at B never offloaded: BENCHMARKS.md, the
+    headline). Where the step is compute-bound a bigger batch buys no throughput: it only moves
+    waiting time into slower decoding for everyone, so the draft stays. And where speculation would
+    pay again at B' (the next bucket up learned a γ > 0), the draft would be reloaded as soon as the
+    batch grew.
 
     Both moves wait ``min_dwell_steps`` after the previous one and are checked every 16 steps, so
     the directive cannot flap. A worker whose steps stop for ``forget_after_ms`` (by the steps'
