@@ -232,6 +232,7 @@ def _with_demand(run: dict, config: dict | None, capacity_rps: float) -> dict:
     seeded, so rebuilding it from the run's config and capacity tells what it asked for."""
     if "offered_tokens" in run or run.get("kind") == "closed" or not config:
         return run
+    from nightjar_tools.bench import report
     from nightjar_tools.bench.workload import LengthScale, build
 
     duration = dict((spec, d) for spec, d in config["workloads"]).get(run["workload"])
@@ -239,9 +240,7 @@ def _with_demand(run: dict, config: dict | None, capacity_rps: float) -> dict:
         return run
     wl = build(run["workload"], capacity_rps, duration, seed=config["seed"], scale=LengthScale(**config["scale"]),
                max_requests=config.get("max_requests", DEFAULT_MAX_REQUESTS))
-    if len(wl) > 1:
-        run.update(offered_tokens=int(wl.output_tokens.sum()), offered_span_s=float(wl.arrival_s[-1] - wl.arrival_s[0]))
-    return run
+    return {**run, **report.demand_of(wl)}
 
 
 def merge_payloads(payloads: list[dict]) -> dict:

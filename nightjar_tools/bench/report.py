@@ -104,10 +104,15 @@ def summarize_workload(result: LoadResult, step_summary: dict | None, wl) -> dic
     run also keeps what the trace offered (``offered_tokens`` over ``offered_span_s``, first to last
     arrival): no policy's tokens/s can exceed their quotient (``demand_ceiling``)."""
     out = summarize(result, step_summary, warmup_s=wl.warmup_s, steady_until_s=wl.duration_s if wl.clients else None)
-    if not wl.clients and len(wl) > 1:
-        out["offered_tokens"] = int(wl.output_tokens.sum())
-        out["offered_span_s"] = float(wl.arrival_s[-1] - wl.arrival_s[0])
-    return out
+    return {**out, **demand_of(wl)}
+
+
+def demand_of(wl) -> dict:
+    """An open-loop ``Workload``'s ``offered_tokens`` and ``offered_span_s``; {} for a closed loop
+    (its demand follows its service) or a single request (no span)."""
+    if wl.clients or len(wl) < 2:
+        return {}
+    return {"offered_tokens": int(wl.output_tokens.sum()), "offered_span_s": float(wl.arrival_s[-1] - wl.arrival_s[0])}
 
 
 def demand_ceiling(run: dict) -> float | None:
@@ -275,9 +280,10 @@ def goal_rows(runs: list[dict], workload_kinds: dict[str, str], subject: str = "
             if met == "tokens_per_s":
                 ceilings = [ratio(demand_ceiling(by[(subject, wl, k)]), metric(by[(base, wl, k)], met))
                             for k in repeats if (subject, wl, k) in by and (base, wl, k) in by]
-                if ceilings and None not in ceilings and statistics.median(ceilings) < threshold:
+                cap = statistics.median(ceilings) if ceilings and None not in ceilings else None
+                if cap is not None and cap < threshold:
                     # The trace asks for less than the goal: report it, the verdict stands.
-                    note = f"unreachable: the trace's demand caps any policy at {statistics.median(ceilings):.3f}×"
+                    note = f"unreachable: the trace's demand caps any policy at {cap:.3f}×"
             if base_kind == "nightjar-nooffload":
                 # The offload goal is about offload: a difference without one is noise, not a result.
                 offloads = sum((by[(subject, wl, k)].get("engine") or {}).get("offloads", 0) for k in repeats if (subject, wl, k) in by)
@@ -367,9 +373,9 @@ def markdown_summary(runs: list[dict]) -> str:
     out = []
     for wl in dict.fromkeys(r["workload"] for r in runs):
         rows = [r for r in runs if r["workload"] == wl]
-        ceiling = next((c for c in map(demand_ceiling, rows) if c is not None), None)
-        demand = (f" (the trace asks for {rows[0]['offered_tokens']:,} tokens over {rows[0]['offered_span_s']:.1f} s: "
-                  f"no policy exceeds {ceiling:.1f} tok/s)" if ceiling is not None else "")
+        d = next((r for r in rows if demand_ceiling(r) is not None), None)
+        demand = (f" (the trace asks for {d['offered_tokens']:,} tokens over {d['offered_span_s']:.1f} s: "
+                  f"no policy exceeds {demand_ceiling(d):.1f} tok/s)" if d is not None else "")
         out += [f"**{wl}**{demand}", "",
                 "| policy | ok/sent | output tok/s | req/s | TTFT p50 (s) | ITL mean (ms) | e2e mean (s) | e2e p99 (s) "
                 "| γ switches | offloads | acceptance | mean batch | prefill share |",
