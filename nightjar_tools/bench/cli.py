@@ -114,6 +114,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/bench/UTC-STAMP)")
     p.add_argument("--plots-dir", type=Path, default=None, help="also copy the headline plots here (e.g. docs/bench)")
     p.add_argument("--repeats", type=int, default=1, help="repeat the policy sweep (interleaved) for the ratios' spread")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out that was stopped (same arguments): its calibration and every stack "
+                        "that finished its workloads are kept, the one cut short runs again; a larger --repeats adds repeats")
     p.add_argument("--oracle", action="store_true",
                    help="after each repeat, also run the hindsight oracle: per workload, the best static table on the "
                         "surface that repeat measured (on by default with --headline)")
@@ -143,6 +146,8 @@ def _main(argv: list[str] | None) -> int:
         scale = LengthScale(prompt=a.prompt_scale, output=a.output_scale, max_output=a.max_output)
     except ValueError as exc:
         p.error(str(exc))
+    if a.resume and (a.out is None or a.report or a.target):
+        p.error("--resume continues a comparison in --out: give --out DIR, without --report or --target")
     out = a.out or Path("runs/bench") / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     if a.report:
         return _merge(a, p, out)
@@ -153,7 +158,7 @@ def _main(argv: list[str] | None) -> int:
 
 def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path) -> int:
     from nightjar_tools.bench import report
-    from nightjar_tools.bench.compare import CompareConfig, run_comparison
+    from nightjar_tools.bench.compare import CompareConfig, ResumeError, run_comparison
 
     default_policies, default_workloads = ((QUICK_POLICIES, QUICK_WORKLOADS) if a.quick else
                                            (HEADLINE_POLICIES, HEADLINE_WORKLOADS) if a.headline else
@@ -196,7 +201,7 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
                             worker_threads=a.worker_threads, capacity_rps=capacity, max_requests=a.max_requests,
                             fixed_gamma=fixed_gamma,
                             capacity_probe_s=12.0 if a.quick else 20.0, repeats=a.repeats, progress=not a.no_progress,
-                            oracle=a.oracle or a.headline, recalibrate=a.recalibrate, record=a.record)
+                            oracle=a.oracle or a.headline, recalibrate=a.recalibrate, record=a.record, resume=a.resume)
     except ValueError as exc:
         p.error(str(exc))
     t0 = time.monotonic()
@@ -204,6 +209,8 @@ def _compare(a: argparse.Namespace, p: argparse.ArgumentParser, scale, out: Path
           file=sys.stderr)
     try:
         cmp = run_comparison(cfg, log=lambda m: print(f"bench: {m}", file=sys.stderr, flush=True))
+    except ResumeError as exc:  # raised before any stack starts
+        p.error(str(exc))
     except (RuntimeError, TimeoutError) as exc:
         print(f"bench: the stack failed: {exc}", file=sys.stderr)
         return 1

@@ -97,6 +97,9 @@ class CompareConfig:
     # to it (γ stays the first calibration's): the ratios depend on how far a trace overloads each
     # policy, and a machine that runs faster later makes a fixed-rate trace a lighter overload.
     recalibrate: bool = False
+    # Continue the run whose results.json is in out_dir (same configuration): its calibration is
+    # reused, every stack that finished all its workloads is kept, one cut short runs again.
+    resume: bool = False
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -517,9 +520,10 @@ class RunningStack:
 
 async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
     cmp = Comparison(cfg, started_unix=time.time())
+    finished = resume(cmp, log) if cfg.resume else set()
     bank = PromptBank()
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    cal: dict = {"notes": [], "fixed_gamma": cfg.fixed_gamma, "capacity_rps": cfg.capacity_rps}
+    cal: dict = cmp.calibration or {"notes": [], "fixed_gamma": cfg.fixed_gamma, "capacity_rps": cfg.capacity_rps}
     # Closed loops need no capacity, and explicit γs no batch-1 γ probe: skip what nothing uses.
     if all(w.spec.startswith("closed:") for w in cfg.workloads) and cal["capacity_rps"] is None:
         cal["capacity_rps"] = 1.0
@@ -530,6 +534,7 @@ async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
     if cal["fixed_gamma"] is None or cal["capacity_rps"] is None:
         await _calibrate(cfg, bank, cal, "calibration", log)
     cmp.calibration = cal
+    report.write_json(cfg.out_dir / "results.json", cmp.payload())  # a run stopped now keeps its calibration
     log(f"capacity {cal['capacity_rps']:.3f} req/s; best γ at batch 1: {cal['fixed_gamma']}")
     gamma = cal["fixed_gamma"]
     surface = None
@@ -537,16 +542,19 @@ async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
         surface = surface_gammas(cfg.prior_surface, PLANNER_GAMMA_MAX)
         cal["surface_table"] = {str(b): g for b, g in table_of(surface).items()}
         log(f"table:S, threshold:S from {cfg.prior_surface.name}: best γ {cal['surface_table']} (batch size upper bound: γ)")
-    total, t_start = cfg.repeats * len(cfg.policies), time.monotonic()
+    total, ran, t_start = cfg.repeats * len(cfg.policies), 0, time.monotonic()
     cap = cal["capacity_rps"]
     if cfg.recalibrate:
-        cal["recalibrated"] = {"0": cap}  # {repeat: the capacity its loads were scaled to}
+        cal.setdefault("recalibrated", {"0": cap})  # {repeat: the capacity its loads were scaled to}
     for rep in range(cfg.repeats):
         if rep and cfg.recalibrate:
-            again = {"fixed_gamma": gamma, "capacity_rps": None, "notes": []}
-            await _calibrate(cfg, bank, again, f"calibration-r{rep}", log)
-            cap = cal["recalibrated"][str(rep)] = again["capacity_rps"]
-            cal.setdefault("recalibration_probes", {})[str(rep)] = again["capacity_probe"]
+            if str(rep) in cal["recalibrated"]:  # probed before the run that is resumed stopped
+                cap = cal["recalibrated"][str(rep)]
+            else:
+                again = {"fixed_gamma": gamma, "capacity_rps": None, "notes": []}
+                await _calibrate(cfg, bank, again, f"calibration-r{rep}", log)
+                cap = cal["recalibrated"][str(rep)] = again["capacity_rps"]
+                cal.setdefault("recalibration_probes", {})[str(rep)] = again["capacity_probe"]
             log(f"repeat {rep + 1}: capacity {cap:.3f} req/s")
         if rep == 0 or cfg.recalibrate:
             workloads = [build(w.spec, cap, w.duration_s, seed=cfg.seed, scale=cfg.scale, max_requests=cfg.max_requests)
@@ -554,13 +562,72 @@ async def _run_comparison(cfg: CompareConfig, log) -> Comparison:
             prompts = [bank.texts(wl, cfg.seed) for wl in workloads]
         for i, spec in enumerate(policy_order(cfg.policies, rep)):
             policy = resolve_policy(spec, gamma, surface)
-            await _one_policy(cmp, cfg, policy, rep, bank, workloads, prompts, log)
             done = rep * len(cfg.policies) + i + 1
-            eta_s = (time.monotonic() - t_start) / done * (total - done) * (1 + cfg.oracle / len(cfg.policies))
+            if (policy, rep) in finished:
+                log(f"policy {policy} (repeat {rep + 1}/{cfg.repeats}): kept from the resumed run")
+                continue
+            await _one_policy(cmp, cfg, policy, rep, bank, workloads, prompts, log)
+            ran += 1
+            eta_s = (time.monotonic() - t_start) / ran * (total - done) * (1 + cfg.oracle / len(cfg.policies))
             log(f"progress {done}/{total} stacks" + (f", ETA {eta_s / 60:.0f} min" if done < total or cfg.oracle else ""))
-        if cfg.oracle:
+        if cfg.oracle and (report.ORACLE, rep) not in finished:
             await _oracle(cmp, cfg, rep, bank, workloads, prompts, log)
     return cmp
+
+
+class ResumeError(ValueError):
+    """--resume cannot continue the folder's run (none there, or other settings)."""
+
+
+def _sample_unit(key: str) -> tuple[str, int]:
+    """A timeline's key, "policy|workload" or "policy|workload|rN" -> (policy, repeat)."""
+    parts = key.split("|")
+    return parts[0], int(parts[2][1:]) if len(parts) > 2 else 0
+
+
+def resume(cmp: Comparison, log) -> set[tuple[str, int]]:
+    """Load the run to continue from ``cmp.cfg.out_dir``/results.json into ``cmp``; -> the (policy,
+    repeat) stacks it finished, the hindsight oracle's as (report.ORACLE, repeat). A stack that did
+    not finish every workload is dropped and runs again: its planner learned from the workloads
+    before, so the rest cannot run on a fresh stack."""
+    cfg, path = cmp.cfg, cmp.cfg.out_dir / "results.json"
+    try:
+        prior = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ResumeError(f"--resume: {path} does not exist; nothing to resume (run without --resume)") from None
+    except (OSError, ValueError) as exc:
+        raise ResumeError(f"--resume: {path} is unreadable: {exc}") from None
+    want = json.loads(json.dumps(Comparison(cfg).payload()["config"]))
+    differ = sorted(k for k in set(want) | set(prior.get("config", {})) if want.get(k) != prior.get("config", {}).get(k))
+    cal = prior.get("calibration") or {}
+    for key, given in (("capacity_rps", cfg.capacity_rps), ("fixed_gamma", cfg.fixed_gamma)):
+        if given is not None and cal.get(key) is not None and cal[key] != given:
+            differ.append(key)
+    if differ:
+        raise ResumeError(f"--resume: {path} was run with other settings ({', '.join(differ)}); resume with the same "
+                         "arguments (a larger --repeats adds repeats), or pick a new --out")
+    specs = [w.spec for w in cfg.workloads]
+    ran: dict[tuple[str, int], set[str]] = {}
+    for run in prior.get("runs", []):
+        ran.setdefault((run["policy"], run.get("repeat", 0)), set()).add(run["workload"])
+    tables = cal.get("oracle_tables", {})
+
+    def complete(policy: str, rep: int) -> bool:
+        if policy != report.ORACLE:
+            return ran[policy, rep] >= set(specs)
+        # the oracle skips a workload where no cell had enough steps to choose by (an empty table)
+        return str(rep) in tables and ran[policy, rep] >= {w for w, t in tables[str(rep)].items() if t}
+
+    finished = {unit for unit in ran if complete(*unit)}
+    dropped = sorted(set(ran) - finished)
+    cmp.calibration = cal
+    cmp.runs = [r for r in prior.get("runs", []) if (r["policy"], r.get("repeat", 0)) in finished]
+    cmp.samples = {k: v for k, v in prior.get("samples", {}).items() if _sample_unit(k) in finished}
+    cmp.stack_start_s = prior.get("stack_start_s", {})
+    cmp.started_unix = prior.get("started_unix", cmp.started_unix)
+    log(f"resuming {path}: {len(finished)} finished stacks kept"
+        + (f"; cut short, run again: {', '.join(f'{p} (repeat {r + 1})' for p, r in dropped)}" if dropped else ""))
+    return finished
 
 
 async def _calibrate(cfg: CompareConfig, bank: PromptBank, cal: dict, name: str, log) -> None:

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -563,6 +564,70 @@ def test_recalibrate_scales_each_repeats_loads_to_the_capacity_probed_before_it(
     assert [caps for _, _, caps, _ in seen] == [[2.0], [2.0]]  # without it, one load for every repeat
     with pytest.raises(ValueError, match="closed-loop"):
         CompareConfig(policies=("nightjar",), workloads=(WorkloadPlan("closed:8", 30.0),), out_dir=tmp_path, recalibrate=True)
+
+
+def test_resume_keeps_the_finished_stacks_and_runs_the_one_cut_short_again(tmp_path, monkeypatch):
+    from nightjar_tools.bench import compare
+    from nightjar_tools.bench.compare import CompareConfig, ResumeError, WorkloadPlan, run_comparison
+
+    ran, cut = [], {"at": ("nightjar", 1)}  # the stack that is killed after its first workload
+
+    async def one_policy(cmp, cfg, policy, rep, bank, workloads, prompts, log):
+        ran.append((policy, rep))
+        for k, plan in enumerate(cfg.workloads):
+            if k and (policy, rep) == cut["at"]:
+                raise RuntimeError("killed")
+            cmp.runs.append({**_run(policy, plan.spec, 100.0 + rep, 1.0, 0.1), "repeat": rep, "kind": "dynamic"})
+            cmp.samples[f"{policy}|{plan.spec}" + (f"|r{rep}" if rep else "")] = [{"t": 0.0}]
+            report.write_json(cfg.out_dir / "results.json", cmp.payload())
+
+    async def oracle(cmp, cfg, rep, bank, workloads, prompts, log):
+        ran.append((report.ORACLE, rep))
+        cmp.calibration.setdefault("oracle_tables", {})[str(rep)] = {w.spec: {"8": 2} for w in cfg.workloads}
+        cmp.runs += [{**_run(report.ORACLE, w.spec, 99.0, 1.0, 0.1), "repeat": rep, "kind": "dynamic"} for w in cfg.workloads]
+        report.write_json(cfg.out_dir / "results.json", cmp.payload())
+
+    monkeypatch.setattr(compare, "_one_policy", one_policy)
+    monkeypatch.setattr(compare, "_oracle", oracle)
+    plan = (WorkloadPlan("burst", 30.0), WorkloadPlan("ramp", 30.0))
+    cfg = CompareConfig(policies=("fixed:G", "nightjar"), workloads=plan, out_dir=tmp_path, capacity_rps=2.0,
+                        fixed_gamma=4, repeats=2, oracle=True, progress=False)
+    with pytest.raises(ResumeError, match="does not exist"):
+        run_comparison(replace(cfg, resume=True), log=lambda m: None)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_comparison(cfg, log=lambda m: None)
+    assert ran == [("fixed:4", 0), ("nightjar", 0), (report.ORACLE, 0), ("nightjar", 1)]  # repeat 2 reverses the order
+
+    ran.clear()
+    cut["at"] = None
+    logs: list[str] = []
+    cmp = run_comparison(replace(cfg, repeats=3, resume=True), log=logs.append)  # and one more repeat
+    # the cut stack runs again from its first workload; what finished is not run twice
+    assert ran == [("nightjar", 1), ("fixed:4", 1), (report.ORACLE, 1), ("fixed:4", 2), ("nightjar", 2), (report.ORACLE, 2)]
+    units = [(r["policy"], r["repeat"], r["workload"]) for r in cmp.runs]
+    assert len(units) == len(set(units)) == 3 * 3 * 2  # no run of the cut stack is kept twice
+    assert sorted(k for k in cmp.samples if k.startswith("nightjar|")) == ["nightjar|burst", "nightjar|burst|r1",
+                                                                          "nightjar|burst|r2", "nightjar|ramp",
+                                                                          "nightjar|ramp|r1", "nightjar|ramp|r2"]
+    assert any("cut short, run again: nightjar (repeat 2)" in m for m in logs)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert len(saved["runs"]) == 18 and saved["calibration"]["capacity_rps"] == 2.0
+
+    for other in (replace(cfg, workloads=plan[:1]), replace(cfg, capacity_rps=3.0), replace(cfg, seed=1)):
+        with pytest.raises(ResumeError, match="other settings"):
+            run_comparison(replace(other, resume=True), log=lambda m: None)
+    ran.clear()
+    run_comparison(replace(cfg, repeats=3, resume=True), log=lambda m: None)
+    assert ran == []  # all finished: nothing runs again
+
+    from nightjar_tools.bench.cli import main
+
+    for argv in (["--resume"], ["--resume", "--out", str(tmp_path / "none"), "--policies", "off", "--workloads", "burst@5",
+                                "--capacity-rps", "1", "--fixed-gamma", "0", "--no-progress"]):
+        with pytest.raises(SystemExit) as exc:  # a usage error, before any stack starts
+            main(argv)
+        assert exc.value.code == 2
+    assert not (tmp_path / "none").exists()
 
 
 def test_bench_gives_the_workers_its_models_and_sizes_the_budget_by_that_draft(tmp_path):

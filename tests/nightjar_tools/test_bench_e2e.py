@@ -25,9 +25,10 @@ def test_bench_runs_against_a_real_stack(tmp_path):
     # Capacity and γ given, so no calibration stack: one stack start, ~14 s of load; then the
     # hindsight oracle's stack, which can only pick the γ = 2 that fixed:2 measured, and whose
     # table the bench keeps in force past the workers' 10 s policy TTL.
-    rc = main(["--policies", "fixed:G", "--workloads", "poisson:0.5@14", "--capacity-rps", "1.2", "--fixed-gamma", "2",
-               "--drain-timeout-s", "40", "--output-scale", "0.3", "--max-output", "24", "--oracle", "--record",
-               "--out", str(out), "--plots-dir", str(plots_dir), "--no-progress"])
+    args = ["--policies", "fixed:G", "--workloads", "poisson:0.5@14", "--capacity-rps", "1.2", "--fixed-gamma", "2",
+            "--drain-timeout-s", "40", "--output-scale", "0.3", "--max-output", "24", "--oracle", "--record",
+            "--out", str(out), "--plots-dir", str(plots_dir), "--no-progress"]
+    rc = main(args)
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
     run, oracle = data["runs"]
@@ -50,6 +51,13 @@ def test_bench_runs_against_a_real_stack(tmp_path):
     assert "| poisson:0.5 | fixed:2 |" in (out / "report.md").read_text()
     assert (plots_dir / "comparison.png").read_bytes()[:4] == b"\x89PNG"
     assert (plots_dir / "timeline_fixed_2_poisson_0.5.png").is_file()
+
+    # --resume with one more repeat: the finished repeat is kept as it was, only the second runs
+    assert main([*args, "--repeats", "2", "--resume"]) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert again["runs"][:2] == data["runs"] and again["calibration"]["capacity_rps"] == 1.2
+    assert [(r["policy"], r["repeat"]) for r in again["runs"][2:]] == [("fixed:2", 1), ("oracle", 1)]
+    assert again["runs"][2]["ok"] == again["runs"][2]["sent"] >= 1 and "fixed:2|poisson:0.5|r1" in again["samples"]
 
 
 def test_recalibrate_probes_the_capacity_before_each_repeat_on_a_real_stack(tmp_path):
