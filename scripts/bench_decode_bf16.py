@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -36,7 +37,7 @@ CONTEXT = 100  # tokens already in each sequence's KV (the live traces' mean con
 BLOCK = 16
 
 
-def forward(model: LlamaModel, kv: KVCache, batch: int, rows: int, bf16: bool):
+def forward(model: LlamaModel, kv: KVCache, batch: int, rows: int, bf16: bool) -> Callable[[], torch.Tensor]:
     """-> a closure running one forward of ``batch`` sequences, ``rows`` new tokens each, all rows
     on the bf16 copy when ``bf16`` (forward's prompt-row path from row 0)."""
     per_seq = -(-(CONTEXT + rows) // BLOCK)
@@ -47,7 +48,7 @@ def forward(model: LlamaModel, kv: KVCache, batch: int, rows: int, bf16: bool):
     return lambda: model.forward(ids, pb, kv, logit_rows, 0 if bf16 else None)
 
 
-def median_ms(fns: dict[str, callable], repeats: int) -> dict[str, float]:
+def median_ms(fns: dict[str, Callable[[], torch.Tensor]], repeats: int) -> dict[str, float]:
     times: dict[str, list[float]] = {k: [] for k in fns}
     for f in fns.values():
         for _ in range(2):  # oneDNN builds a kernel per row count on its first call
