@@ -272,8 +272,8 @@ def merge_payloads(payloads: list[dict]) -> dict:
                     runs.append(_with_demand({**r, "repeat": rep}, pl.get("config"), capacities[str(rep)]))
             rep += 1
         for key, s in pl["samples"].items():
-            policy, workload, *_ = key.split("|")
-            samples.setdefault(f"{policy}|{workload}", s)  # timelines of the first repeat
+            policy, workload, _ = report.parse_sample_key(key)
+            samples.setdefault(report.sample_key(policy, workload, 0), s)  # timelines of the first repeat
     kinds = {r["workload"]: r["kind"] for r in runs}
     merged = {**first, "runs": runs, "samples": samples, "merged_from": rep}
     if any("recalibrated" in pl["calibration"] for pl in payloads):
@@ -324,12 +324,12 @@ def render(payload: dict, wall_s: float | None = None) -> str:
 
 
 def _plots(payload: dict, out: Path, plots_dir: Path | None) -> None:
-    from nightjar_tools.bench import plots
+    from nightjar_tools.bench import plots, report
 
     cap = payload["calibration"]["capacity_rps"]
     made = []
     for key, samples in payload["samples"].items():
-        policy, workload, *rep = key.split("|")
+        policy, workload, rep = report.parse_sample_key(key)
         if rep:  # timelines of the first repeat only
             continue
         name = f"timeline_{_slug(policy)}_{_slug(workload)}.png"

@@ -465,17 +465,20 @@ class Comparison:
     stack_start_s: dict[str, float] = field(default_factory=dict)
     started_unix: float = 0.0
 
+    def config(self) -> dict:
+        """The settings results.json records (and ``--resume`` compares)."""
+        c = self.cfg
+        return {"policies": c.policies, "workloads": [(w.spec, w.duration_s) for w in c.workloads],
+                "seed": c.seed, "scale": c.scale.__dict__, "max_requests": c.max_requests,
+                "kv_budget_bytes": c.kv_budget_bytes, "target_model": str(c.target_model),
+                "draft_model": str(c.draft_model), "draft_weight_bytes": draft_weight_bytes(c.draft_model),
+                "drain_timeout_s": c.drain_timeout_s, "workers": c.workers, "worker_threads": c.worker_threads,
+                "worker_args": c.worker_args, "planner_args": c.planner_args,
+                "prior_surface": str(c.prior_surface) if c.prior_surface else None}
+
     def payload(self) -> dict:
         kinds = {w.spec: w.kind for w in self.cfg.workloads}
-        payload = {"config": {"policies": self.cfg.policies, "workloads": [(w.spec, w.duration_s) for w in self.cfg.workloads],
-                           "seed": self.cfg.seed, "scale": self.cfg.scale.__dict__, "max_requests": self.cfg.max_requests,
-                           "kv_budget_bytes": self.cfg.kv_budget_bytes,
-                           "target_model": str(self.cfg.target_model), "draft_model": str(self.cfg.draft_model),
-                           "draft_weight_bytes": draft_weight_bytes(self.cfg.draft_model),
-                           "drain_timeout_s": self.cfg.drain_timeout_s, "workers": self.cfg.workers,
-                           "worker_threads": self.cfg.worker_threads, "worker_args": self.cfg.worker_args,
-                           "planner_args": self.cfg.planner_args,
-                           "prior_surface": str(self.cfg.prior_surface) if self.cfg.prior_surface else None},
+        payload = {"config": self.config(),
                 "started_unix": self.started_unix, "calibration": self.calibration, "stack_start_s": self.stack_start_s,
                 "runs": self.runs, "samples": self.samples}
         payload["goals"] = report.goal_rows(self.runs, kinds) + report.learning_rows(payload)
@@ -579,12 +582,6 @@ class ResumeError(ValueError):
     """--resume cannot continue the folder's run (none there, or other settings)."""
 
 
-def _sample_unit(key: str) -> tuple[str, int]:
-    """A timeline's key, "policy|workload" or "policy|workload|rN" -> (policy, repeat)."""
-    parts = key.split("|")
-    return parts[0], int(parts[2][1:]) if len(parts) > 2 else 0
-
-
 def resume(cmp: Comparison, log) -> set[tuple[str, int]]:
     """Load the run to continue from ``cmp.cfg.out_dir``/results.json into ``cmp``; -> the (policy,
     repeat) stacks it finished, the hindsight oracle's as (report.ORACLE, repeat). A stack that did
@@ -597,8 +594,8 @@ def resume(cmp: Comparison, log) -> set[tuple[str, int]]:
         raise ResumeError(f"--resume: {path} does not exist; nothing to resume (run without --resume)") from None
     except (OSError, ValueError) as exc:
         raise ResumeError(f"--resume: {path} is unreadable: {exc}") from None
-    want = json.loads(json.dumps(Comparison(cfg).payload()["config"]))
-    differ = sorted(k for k in set(want) | set(prior.get("config", {})) if want.get(k) != prior.get("config", {}).get(k))
+    want, had = json.loads(json.dumps(cmp.config())), prior.get("config", {})
+    differ = sorted(k for k in set(want) | set(had) if want.get(k) != had.get(k))
     cal = prior.get("calibration") or {}
     for key, given in (("capacity_rps", cfg.capacity_rps), ("fixed_gamma", cfg.fixed_gamma)):
         if given is not None and cal.get(key) is not None and cal[key] != given:
@@ -622,7 +619,8 @@ def resume(cmp: Comparison, log) -> set[tuple[str, int]]:
     dropped = sorted(set(ran) - finished)
     cmp.calibration = cal
     cmp.runs = [r for r in prior.get("runs", []) if (r["policy"], r.get("repeat", 0)) in finished]
-    cmp.samples = {k: v for k, v in prior.get("samples", {}).items() if _sample_unit(k) in finished}
+    cmp.samples = {k: v for k, v in prior.get("samples", {}).items()
+                   if report.parse_sample_key(k)[::2] in finished}  # (policy, repeat)
     cmp.stack_start_s = prior.get("stack_start_s", {})
     cmp.started_unix = prior.get("started_unix", cmp.started_unix)
     log(f"resuming {path}: {len(finished)} finished stacks kept"
@@ -668,7 +666,7 @@ async def _oracle(cmp: Comparison, cfg: CompareConfig, rep: int, bank: PromptBan
             run.update(policy=report.ORACLE, kind=plan.kind, repeat=rep, loadavg_1m=os.getloadavg()[0], speed_probe_ms=speed,
                        capacity_rps=wl.capacity_rps, oracle_table=table)
             cmp.runs.append(run)
-            cmp.samples[f"{report.ORACLE}|{plan.spec}" + (f"|r{rep}" if rep else "")] = result.samples
+            cmp.samples[report.sample_key(report.ORACLE, plan.spec, rep)] = result.samples
             report.write_json(cfg.out_dir / "results.json", cmp.payload())
 
 
@@ -700,7 +698,7 @@ async def _one_policy(cmp: Comparison, cfg: CompareConfig, policy: str, rep: int
             run.update(policy=policy, kind=plan.kind, repeat=rep, loadavg_1m=os.getloadavg()[0], speed_probe_ms=speed,
                        capacity_rps=wl.capacity_rps)
             cmp.runs.append(run)
-            cmp.samples[f"{policy}|{plan.spec}" + (f"|r{rep}" if rep else "")] = result.samples
+            cmp.samples[report.sample_key(policy, plan.spec, rep)] = result.samples
             report.write_json(cfg.out_dir / "results.json", cmp.payload())
 
 

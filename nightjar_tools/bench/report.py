@@ -294,6 +294,17 @@ def goal_rows(runs: list[dict], workload_kinds: dict[str, str], subject: str = "
     return rows
 
 
+def sample_key(policy: str, workload: str, rep: int) -> str:
+    """A run's timeline key in ``samples``: "policy|workload", with "|rN" after the first repeat."""
+    return f"{policy}|{workload}" + (f"|r{rep}" if rep else "")
+
+
+def parse_sample_key(key: str) -> tuple[str, str, int]:
+    """``sample_key``'s inverse: -> (policy, workload, repeat)."""
+    policy, workload, *rep = key.split("|")
+    return policy, workload, int(rep[0][1:]) if rep else 0
+
+
 def learning_rows(payload: dict, horizon_s: float = 60.0) -> list[dict]:
     """The learning-speed goal per dynamic workload: the share of load changes after which
     nightjar reached 0.95x the best static policy's (or the oracle's) rolling throughput within
@@ -303,8 +314,11 @@ def learning_rows(payload: dict, horizon_s: float = 60.0) -> list[dict]:
     baselines = tuple(p for p in policies if _is_static(p) or p == ORACLE)
     rows = []
     for wl in dict.fromkeys(r["workload"] for r in runs if r["kind"] == "dynamic"):
-        timelines = {key.split("|")[0]: s for key, s in payload["samples"].items()
-                     if key.split("|")[1] == wl and len(key.split("|")) == 2}
+        timelines = {}  # policy -> its first repeat's timeline on wl
+        for key, s in payload["samples"].items():
+            policy, workload, rep = parse_sample_key(key)
+            if workload == wl and rep == 0:
+                timelines[policy] = s
         delays = learning_delays(timelines, baselines=baselines, horizon_s=horizon_s)
         judged = [d for d in delays if d["judged"]]
         goal = f"learning: ≥ 0.95× best static within {horizon_s:.0f} s of a load change"

@@ -610,6 +610,7 @@ def test_resume_keeps_the_finished_stacks_and_runs_the_one_cut_short_again(tmp_p
                                                                           "nightjar|burst|r2", "nightjar|ramp",
                                                                           "nightjar|ramp|r1", "nightjar|ramp|r2"]
     assert any("cut short, run again: nightjar (repeat 2)" in m for m in logs)
+    assert report.parse_sample_key(report.sample_key("table:1=4,8=0", "poisson:0.3", 2)) == ("table:1=4,8=0", "poisson:0.3", 2)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert len(saved["runs"]) == 18 and saved["calibration"]["capacity_rps"] == 2.0
 
