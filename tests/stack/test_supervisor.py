@@ -74,28 +74,17 @@ def test_supervisor_restarts_after_the_backoff_and_backs_off_while_it_keeps_dyin
             svc.proc.kill()
 
 
-def _children(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").iterdir():
-            try:
-                kids = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            out += kids
-            todo += kids
-    return out
-
-
 def _service_pid(serve_pid: int, name: str) -> int:
-    for pid in _children(serve_pid):
+    """The pid of ``serve_pid``'s child running service ``name``. Scans every process's parent,
+    because /proc/PID/task/*/children may miss a child forked while the parent runs."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
             continue
-        if b"nightjar_tools.cli" in argv and argv[argv.index(b"nightjar_tools.cli") + 1] == name.encode():
-            return pid
+        if ppid == serve_pid and b"nightjar_tools.cli" in argv and argv[argv.index(b"nightjar_tools.cli") + 1] == name.encode():
+            return int(stat.parent.name)
     raise LookupError(name)
 
 
