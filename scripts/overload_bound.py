@@ -42,8 +42,9 @@ def per_token(rec: dict, min_steps: int, window: tuple[float, float] | None) -> 
     tokens = max(s["emitted_tokens"], 1)
     prefill_ms = s["prefill_share"] * total_ms
     decode = (total_ms - prefill_ms) / tokens
+    # None where no cell has enough steps: a run's mean decode cost is no evidence of the machine's best.
     best = min(((ms / tok, cell) for cell, (n, ms, tok) in s["cells"].items() if n >= min_steps and tok),
-               default=(decode, "none"))
+               default=(None, None))
     return {"prefill": prefill_ms / tokens, "decode": decode, "share": s["prefill_share"],
             "best": best[0], "best_cell": best[1], "window_tps": in_window}
 
@@ -82,12 +83,15 @@ def main() -> None:
     for wl, rs in runs.items():
         for policy, rep, t in sorted(rs, key=lambda r: (r[0], r[1])):
             tps = "–" if t["window_tps"] is None else f"{t['window_tps']:.1f}"
-            print(f"| {wl} | {policy} | {rep} | {t['share']:.2f} | {t['prefill']:.2f} | {t['decode']:.2f} "
-                  f"| {t['best_cell']}: {t['best']:.2f} | {tps} |")
+            cell = "–" if t["best"] is None else f"{t['best_cell']}: {t['best']:.2f}"
+            print(f"| {wl} | {policy} | {rep} | {t['share']:.2f} | {t['prefill']:.2f} | {t['decode']:.2f} | {cell} | {tps} |")
     # The engine's best decode cost is the machine's, not the trace's: a prefill-bound trace
     # rarely runs enough pure decode steps to show it.
-    best, cell, where = min((t["best"], t["best_cell"], f"{wl} {policy} {rep}") for wl, rs in runs.items()
-                            for policy, rep, t in rs)
+    reached = [(t["best"], t["best_cell"], f"{wl} {policy} {rep}") for wl, rs in runs.items()
+               for policy, rep, t in rs if t["best"] is not None]
+    if not reached:
+        raise SystemExit(f"no run has a pure decode cell of >= {a.min_steps} steps: lower --min-steps")
+    best, cell, where = min(reached)
     print(f"\nBest decode cost: {best:.2f} ms/token (cell {cell}, {where}). Bound on any policy ÷ {a.baseline} "
           f"while the trace overloads, per {a.baseline} run:")
     for wl, rs in runs.items():
