@@ -220,21 +220,25 @@ def test_prefill_share_takes_a_mixed_step_less_its_cells_decode_cost():
 
 
 def test_overload_bound_divides_the_baselines_cost_by_the_least_prefill_and_best_decode(tmp_path):
-    def run(policy, batch, gamma, decode_ms, mixed_ms, emitted):
-        steps = [msgspec.structs.replace(_step(i, gamma, batch=batch, emitted=emitted), step_ms=decode_ms) for i in range(20)]
-        steps.append(msgspec.structs.replace(_step(20, gamma, batch=batch, emitted=emitted), prefill_tokens=100,
+    def run(policy, batch, gamma, decode_ms, mixed_ms, emitted, decode_steps=20):
+        steps = [msgspec.structs.replace(_step(i, gamma, batch=batch, emitted=emitted), step_ms=decode_ms)
+                 for i in range(decode_steps)]
+        steps.append(msgspec.structs.replace(_step(decode_steps, gamma, batch=batch, emitted=emitted), prefill_tokens=100,
                                              step_ms=mixed_ms))
         name = policy.replace(":", "_")
         (tmp_path / f"{name}_burst.json").write_text(json.dumps(recording(steps, bench_source(policy, "burst", 1))))
 
     run("fixed:4", batch=4, gamma=4, decode_ms=10.0, mixed_ms=30.0, emitted=8)  # 1.25 ms/token; 20 ms of prefill
     run("nightjar", batch=16, gamma=0, decode_ms=8.0, mixed_ms=20.0, emitted=16)  # 0.5 ms/token; 12 ms of prefill
+    # 0.0625 ms/token over 5 decode steps, too few for a cell: it must not become the best decode cost.
+    run("ucb", batch=16, gamma=0, decode_ms=1.0, mixed_ms=20.0, emitted=16, decode_steps=5)
     out = subprocess.run([sys.executable, str(ROOT / "scripts/overload_bound.py"), str(tmp_path), "--window", "burst=0:2"],
                          capture_output=True, text=True, check=True, cwd=ROOT).stdout
     # fixed:4 spends 230 ms on 168 tokens; the least prefill is 12 ms / 336 tokens, the best decode 0.5 ms/token.
     assert f"- burst: {(230 / 168) / (12 / 336 + 0.5):.3f}" in out, out
     # Its prefill share, 20 of 230 ms; its 168 tokens all fall in the first 2 s.
     assert "| burst | fixed:4 | 1 | 0.09 |" in out and "| 84.0 |" in out, out
+    assert "| burst | ucb | 1 | 0.76 | 0.20 | 0.06 | – |" in out, out
 
 
 def test_a_recording_gives_back_every_recorded_field_of_its_steps():
