@@ -466,9 +466,11 @@ class Comparison:
     started_unix: float = 0.0
 
     def config(self) -> dict:
-        """The settings results.json records (and ``--resume`` compares)."""
+        """The settings results.json records (and ``--resume`` compares). The CPU is one of them: a
+        stack's speed and crossover move with it, so a run resumed on another kind of machine would
+        pair repeats measured on two."""
         c = self.cfg
-        return {"policies": c.policies, "workloads": [(w.spec, w.duration_s) for w in c.workloads],
+        return {"cpu": paths.cpu_signature(), "l3_kib": paths.cpu_l3_kib(), "policies": c.policies, "workloads": [(w.spec, w.duration_s) for w in c.workloads],
                 "seed": c.seed, "scale": c.scale.__dict__, "max_requests": c.max_requests,
                 "kv_budget_bytes": c.kv_budget_bytes, "target_model": str(c.target_model),
                 "draft_model": str(c.draft_model), "draft_weight_bytes": draft_weight_bytes(c.draft_model),

@@ -624,6 +624,9 @@ def test_resume_keeps_the_finished_stacks_and_runs_the_one_cut_short_again(tmp_p
     ran.clear()
     run_comparison(replace(cfg, repeats=3, resume=True), log=lambda m: None)
     assert ran == []  # all finished: nothing runs again
+    monkeypatch.setattr(compare.paths, "cpu_signature", lambda: "GenuineIntel avx512")  # another kind of machine
+    with pytest.raises(ResumeError, match=r"other settings \(cpu\)"):
+        run_comparison(replace(cfg, repeats=3, resume=True), log=lambda m: None)
 
     from nightjar_tools.bench.cli import main
 
