@@ -36,6 +36,7 @@ PLANNER_GAMMA_MAX = PlannerConfig.gamma_max  # the planner's default --gamma-max
 # run-to-run spread flipped the best γ between 3 and 4 at this margin ("Headline, sixteenth
 # session" in BENCHMARKS.md)
 GAMMA_TIE = 0.03
+GAMMA_SWITCH_S = 1.5  # the γ probe's wait after publishing a γ: the worker follows the policy channel
 
 
 def kind_of(spec: str) -> str:
@@ -82,7 +83,7 @@ class CompareConfig:
     capacity_rps: float | None = None  # skip the capacity probe
     max_requests: int = 2000  # per open-loop workload; a trace with more arrivals loses its tail (logged)
     fixed_gamma: int | None = None  # skip the batch-1 γ probe
-    gamma_probe_tokens: int = 32
+    gamma_probe_tokens: int = 64
     gamma_probe_requests: int = 8  # single requests per γ, on the same prompts for every γ (3 ranked γ by noise)
     capacity_probe_concurrency: int = 32  # requests kept in flight by the capacity probe (throughput still grows past 16 on CPU)
     capacity_probe_s: float = 20.0
@@ -382,36 +383,53 @@ def pick_gamma(speeds: dict[int, float], tie: float = GAMMA_TIE) -> int:
 
 
 async def probe_gamma(stack: Stack, cfg: CompareConfig, bank: PromptBank, gamma_max: int) -> dict:
-    """The γ that decodes one request fastest; needs a stack without a planner (it publishes)."""
-    out: dict = {"gamma_probe": {}, "notes": []}
-    for g in range(min(gamma_max, PLANNER_GAMMA_MAX) + 1):
-        await _publish(stack, g, version=1000 + g)
-        await asyncio.sleep(1.5)  # the worker follows the policy channel; let it switch
-        wl = _fixed_workload(1, 32, cfg.gamma_probe_tokens)
-        prompt_rng = np.random.default_rng(cfg.seed)  # the same prompts for every γ
-        decode_s = decoded = 0.0
-        acc_runs = []
-        for rep in range(cfg.gamma_probe_requests):
-            res, steps = await run_on_stack(stack, wl, [bank.text(32, prompt_rng)], _quiet(cfg), f"γ={g}#{rep}")
+    """The γ that decodes one request fastest; needs a stack without a planner (it publishes).
+
+    The γs take turns request by request, the order reversed every round, after one uncounted
+    request each: run in blocks, one γ after another, a machine that slowed for a minute ranked
+    the γs by when they ran (on a fresh Zen 4 machine, γ = 1 first by 13% while the stacks'
+    own steps then served γ = 4 ~25% faster at batch 1: BENCHMARKS.md, "Headline, twentieth
+    session")."""
+    gammas = list(range(min(gamma_max, PLANNER_GAMMA_MAX) + 1))
+    prompt_rng = np.random.default_rng(cfg.seed)  # the same prompts for every γ
+    prompts = [bank.text(32, prompt_rng) for _ in range(cfg.gamma_probe_requests)]
+    wl = _fixed_workload(1, 32, cfg.gamma_probe_tokens)
+    decode_s = dict.fromkeys(gammas, 0.0)
+    decoded = dict.fromkeys(gammas, 0)
+    acceptance: dict[int, list[float]] = {g: [] for g in gammas}
+    spec_share: dict[int, float | None] = dict.fromkeys(gammas)
+    version = 1000
+    rounds = [(None, gammas)] + [(i, gammas if i % 2 == 0 else gammas[::-1]) for i in range(cfg.gamma_probe_requests)]
+    for rep, order in rounds:
+        for g in order:
+            version += 1
+            await _publish(stack, g, version=version)
+            await asyncio.sleep(GAMMA_SWITCH_S)
+            prompt = prompts[0 if rep is None else rep]
+            res, steps = await run_on_stack(stack, wl, [prompt], _quiet(cfg), f"γ={g}#{'warm-up' if rep is None else rep}")
+            if rep is None:
+                continue  # the first request at each γ is not counted
             rec = res.records[0]
             if rec.ok and rec.itl_s:
                 # decode time after the first token (no prefill, no queue), pooled over requests
-                decode_s += rec.itl_s * (rec.completion_tokens - 1)
-                decoded += rec.completion_tokens - 1
+                decode_s[g] += rec.itl_s * (rec.completion_tokens - 1)
+                decoded[g] += rec.completion_tokens - 1
             if steps.get("acceptance") is not None:
-                acc_runs.append(steps["acceptance"])
-        tps = decoded / decode_s if decode_s else 0.0
-        acceptance = float(np.mean(acc_runs)) if acc_runs else None
-        out["gamma_probe"][g] = {"tokens_per_s": tps, "acceptance": acceptance,
-                                 "spec_step_share": steps.get("spec_step_share"), "mean_batch": steps.get("mean_batch")}
-        if g > 0 and not steps.get("spec_step_share"):
+                acceptance[g].append(steps["acceptance"])
+            spec_share[g] = max(spec_share[g] or 0.0, steps.get("spec_step_share") or 0.0)
+    out: dict = {"gamma_probe": {}, "notes": []}
+    for g in gammas:
+        out["gamma_probe"][g] = {"tokens_per_s": decoded[g] / decode_s[g] if decode_s[g] else 0.0,
+                                 "acceptance": float(np.mean(acceptance[g])) if acceptance[g] else None,
+                                 "spec_step_share": spec_share[g]}
+        if g > 0 and not spec_share[g]:
             out["notes"].append(f"γ={g} was published but no step ran with γ > 0: the worker did not follow the policy")
-    speeds = {g: x["tokens_per_s"] for g, x in out["gamma_probe"].items()}
-    out["fixed_gamma"] = pick_gamma(speeds)
+    out["fixed_gamma"] = pick_gamma({g: x["tokens_per_s"] for g, x in out["gamma_probe"].items()})
     out["gamma_probe_note"] = (f"batch-1 decode tokens/s after the first token, per γ, pooled over {cfg.gamma_probe_requests} "
-                               f"single requests on the same prompts; the smallest γ within {GAMMA_TIE:.0%} of the fastest")
-    await _publish(stack, 0, version=2000)  # the capacity probe that may follow runs at γ = 0
-    await asyncio.sleep(1.5)
+                               f"single requests on the same prompts, the γs taking turns (one uncounted request each first); "
+                               f"the smallest γ within {GAMMA_TIE:.0%} of the fastest")
+    await _publish(stack, 0, version=version + 1)  # the capacity probe that may follow runs at γ = 0
+    await asyncio.sleep(GAMMA_SWITCH_S)
     return out
 
 

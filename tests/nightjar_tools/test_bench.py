@@ -1017,3 +1017,50 @@ def test_replay_residency_reads_a_recording_at_a_given_pool_threshold(tmp_path):
     assert replay("0.9") == "nightjar_burst.json: the draft stays\n"
     out = replay("0.8")
     assert out.startswith("nightjar_burst.json: offloaded at ") and "resident" not in out, out
+
+
+def test_the_gamma_probe_takes_turns_so_a_machine_that_slows_down_does_not_rank_the_gammas(monkeypatch, tmp_path):
+    import asyncio
+    from types import SimpleNamespace
+
+    from nightjar_tools.bench import compare
+    from nightjar_tools.bench.compare import CompareConfig, WorkloadPlan, probe_gamma
+    from nightjar_tools.bench.workload import PromptBank
+
+    speed = {0: 100.0, 1: 150.0, 2: 165.0, 3: 180.0, 4: 195.0}  # batch-1 tokens/s on a steady machine
+    published, runs = [], []
+
+    async def publish(stack, gamma, version, table=None, name=""):
+        assert not published or version > published[-1][1]  # every policy supersedes the last
+        published.append((gamma, version))
+
+    async def run_on_stack(stack, workload, prompts, cfg, label):
+        g = published[-1][0]
+        slow = 1.0 - 0.025 * len(runs)  # the machine loses 2.5% of its speed per request
+        if label.endswith("warm-up"):
+            slow *= 0.1  # a first request at a γ pays for whatever its first use costs
+        runs.append((g, label))
+        tokens = int(workload.output_tokens[0])
+        rec = SimpleNamespace(ok=True, completion_tokens=tokens, itl_s=1.0 / (speed[g] * slow))
+        return SimpleNamespace(records=[rec]), {"acceptance": 0.7 if g else None, "spec_step_share": float(g > 0)}
+
+    monkeypatch.setattr(compare, "_publish", publish)
+    monkeypatch.setattr(compare, "run_on_stack", run_on_stack)
+    monkeypatch.setattr(compare, "GAMMA_SWITCH_S", 0.0)
+    cfg = CompareConfig(policies=("fixed:G",), workloads=(WorkloadPlan("burst", 1.0),), out_dir=tmp_path, progress=False,
+                        gamma_probe_requests=4)
+    out = asyncio.run(probe_gamma(SimpleNamespace(), cfg, PromptBank(), gamma_max=6))
+
+    forward, back = [0, 1, 2, 3, 4], [4, 3, 2, 1, 0]
+    assert [g for g, _ in runs] == forward + forward + back + forward + back  # γ max is the planner's 4
+    assert [label.endswith("warm-up") for _, label in runs] == [True] * 5 + [False] * 20
+    assert out["fixed_gamma"] == 4 and not out["notes"]
+    # 4 requests per γ in blocks, as before, would have ranked γ = 1 first: it ran while the machine was fast
+    blocked = {g: speed[g] * (1.0 - 0.025 * (4 * g + 1.5)) for g in speed}
+    assert compare.pick_gamma(blocked) == 1
+    probed = {int(g): row["tokens_per_s"] for g, row in out["gamma_probe"].items()}
+    # every γ saw about the same slowdown (the rounds' drift cancels in pairs): the ratios are the machine's
+    for g in speed:
+        assert probed[g] / probed[0] == pytest.approx(speed[g] / speed[0], rel=0.05)
+    assert out["gamma_probe"][0]["acceptance"] is None and out["gamma_probe"][3]["acceptance"] == 0.7
+    assert published[-1][0] == 0  # the capacity probe after it runs at γ = 0
