@@ -387,9 +387,7 @@ async def probe_gamma(stack: Stack, cfg: CompareConfig, bank: PromptBank, gamma_
 
     The γs take turns request by request, the order reversed every round, after one uncounted
     request each: run in blocks, one γ after another, a machine that slowed for a minute ranked
-    the γs by when they ran (on a fresh Zen 4 machine, γ = 1 first by 13% while the stacks'
-    own steps then served γ = 4 ~25% faster at batch 1: BENCHMARKS.md, "Headline, twentieth
-    session")."""
+    the γs by when they ran (BENCHMARKS.md, "Headline, twentieth session")."""
     gammas = list(range(min(gamma_max, PLANNER_GAMMA_MAX) + 1))
     prompt_rng = np.random.default_rng(cfg.seed)  # the same prompts for every γ
     prompts = [bank.text(32, prompt_rng) for _ in range(cfg.gamma_probe_requests)]
@@ -488,7 +486,8 @@ class Comparison:
         stack's speed and crossover move with it, so a run resumed on another kind of machine would
         pair repeats measured on two."""
         c = self.cfg
-        return {"cpu": paths.cpu_signature(), "l3_kib": paths.cpu_l3_kib(), "policies": c.policies, "workloads": [(w.spec, w.duration_s) for w in c.workloads],
+        return {"cpu": paths.cpu_signature(), "l3_kib": paths.cpu_l3_kib(),
+                "policies": c.policies, "workloads": [(w.spec, w.duration_s) for w in c.workloads],
                 "seed": c.seed, "scale": c.scale.__dict__, "max_requests": c.max_requests,
                 "kv_budget_bytes": c.kv_budget_bytes, "target_model": str(c.target_model),
                 "draft_model": str(c.draft_model), "draft_weight_bytes": draft_weight_bytes(c.draft_model),
