@@ -395,7 +395,7 @@ async def probe_gamma(stack: Stack, cfg: CompareConfig, bank: PromptBank, gamma_
     decode_s = dict.fromkeys(gammas, 0.0)
     decoded = dict.fromkeys(gammas, 0)
     acceptance: dict[int, list[float]] = {g: [] for g in gammas}
-    spec_share: dict[int, float | None] = dict.fromkeys(gammas)
+    spec_share = dict.fromkeys(gammas, 0.0)
     version = 1000
     rounds = [(None, gammas)] + [(i, gammas if i % 2 == 0 else gammas[::-1]) for i in range(cfg.gamma_probe_requests)]
     for rep, order in rounds:
@@ -414,7 +414,7 @@ async def probe_gamma(stack: Stack, cfg: CompareConfig, bank: PromptBank, gamma_
                 decoded[g] += rec.completion_tokens - 1
             if steps.get("acceptance") is not None:
                 acceptance[g].append(steps["acceptance"])
-            spec_share[g] = max(spec_share[g] or 0.0, steps.get("spec_step_share") or 0.0)
+            spec_share[g] = max(spec_share[g], steps.get("spec_step_share") or 0.0)
     out: dict = {"gamma_probe": {}, "notes": []}
     for g in gammas:
         out["gamma_probe"][g] = {"tokens_per_s": decoded[g] / decode_s[g] if decode_s[g] else 0.0,
